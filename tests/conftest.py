@@ -1,0 +1,72 @@
+"""Shared fixtures: the project's paths, the two builds, small models."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BUILDS = ("upstream", "ridgefill")
+
+
+def load_tool(name: str):
+    """Import a script from tools/ (they run before the package is installed, so they are not in it)."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def libllama(build: str) -> Path:
+    return ROOT / "build" / build / "bin" / "libllama.so"
+
+
+def require_builds(*builds: str) -> None:
+    missing = [b for b in builds or BUILDS if not libllama(b).exists()]
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"build(s) {missing} missing in CI: `make test` builds them first")
+        pytest.skip(f"build(s) {missing} not built: run `make build`")
+
+
+def run_py(code: str, build: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run Python code in a fresh process (a process loads one libllama only)."""
+    env = dict(os.environ)
+    if build:
+        env["RIDGEFILL_GGUF_BUILD"] = build
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random-weight GGUF per supported architecture, with a real tokenizer."""
+    from ridgefill_gguf.random_gguf import SUPPORTED_ARCHS, tiny_shape, write_random_model
+
+    folder = tmp_path_factory.mktemp("tiny-models")
+    return {arch: write_random_model(folder / f"tiny-{arch}.gguf", tiny_shape(arch), seed=1)
+            for arch in SUPPORTED_ARCHS}
+
+
+def is_cuda_build(build: str) -> bool:
+    cache = ROOT / "build" / build / "CMakeCache.txt"
+    return cache.exists() and "GGML_CUDA:BOOL=ON" in cache.read_text()
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where both builds are CUDA builds (the device machine), never in CI."""
+    if all(is_cuda_build(b) for b in BUILDS):
+        return
+    skip = pytest.mark.skip(reason="needs CUDA builds of both trees: run tools/gpu/build-and-test.sh on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,42 @@
+"""The command line answers --help and --version, and offers only commands that work."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from ridgefill_gguf import __version__
+from ridgefill_gguf.cli import main
+
+
+def test_version_prints_the_package_version():
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_help_lists_the_working_commands_and_none_that_are_not_built_yet():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for cmd in ("equivalence", "models", "demo", "info"):
+        assert cmd in result.output
+    for later in ("fit", "convert", "inspect", "verify", "serve", "bench"):
+        assert f"  {later} " not in result.output
+    assert CliRunner().invoke(main, ["fit"]).exit_code != 0
+
+
+def test_every_command_has_help():
+    for cmd in ("equivalence", "models", "demo", "info"):
+        result = CliRunner().invoke(main, [cmd, "--help"])
+        assert result.exit_code == 0 and "Usage:" in result.output
+
+
+def test_the_console_script_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.cli", "--version"], text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0 and __version__ in proc.stdout
+
+
+def test_equivalence_refuses_a_missing_model_by_name(tmp_path):
+    result = CliRunner().invoke(main, ["equivalence", str(tmp_path / "absent.gguf")])
+    assert result.exit_code != 0 and "absent.gguf" in result.output
