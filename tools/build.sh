@@ -34,11 +34,12 @@ fi
 # shellcheck disable=SC2206
 args+=(${EXTRA_CMAKE_ARGS:-})
 
+mkdir -p "$out"
 stamp="$out/.ridgefill-configure"
 want="$(printf '%s\n' "${args[@]}")"
 if [ ! -f "$out/CMakeCache.txt" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "build: configuring $out (cuda=$cuda)"
-    cmake -S "$src" -B "$out" "${args[@]}" >"$out.configure.log" 2>&1 || { tail -40 "$out.configure.log" >&2; exit 1; }
+    cmake -S "$src" -B "$out" "${args[@]}" >"$out/configure.log" 2>&1 || { tail -40 "$out/configure.log" >&2; exit 1; }
     printf '%s' "$want" >"$stamp"
 fi
 echo "build: $out ($jobs jobs)"
