@@ -1,7 +1,7 @@
 """The `ridgefill-gguf` command line.
 
-Only what works is here. The RidgeFill commands (fit, convert, inspect, verify, serve, eval, bench) arrive
-with the issues that build them; until then they do not exist rather than pretend.
+Only what works is here. The RidgeFill commands still to come (fit, serve, eval, bench) arrive with the
+issues that build them; until then they do not exist rather than pretend.
 """
 from __future__ import annotations
 
@@ -83,6 +83,81 @@ def equivalence(model: str, prompts: tuple[str, ...], n_ctx: int, decode_steps: 
     for r in bad:
         click.echo(f"  DIFFERENT {r['key']}: max |diff| {r['max_abs_diff']:.3g}, {r['n_diff']} values")
     sys.exit(0 if not bad else 1)
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the maps GGUF to write")
+@click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="the model the maps are for: fingerprint it into the file and check the maps against it")
+@click.option("--outtype", type=click.Choice(["q8_0", "f16", "bf16", "f32"]), default="q8_0", show_default=True)
+@click.option("--arch", default=None, help="the model's architecture, when --model is not given")
+@click.option("--force", is_flag=True, help="overwrite an existing output")
+@click.option("--quiet", "-q", is_flag=True, help="no progress lines")
+def convert(src: Path, out: Path, model: Path | None, outtype: str, arch: str | None, force: bool,
+            quiet: bool) -> None:
+    """Convert maps (an int8 folder or a float safetensors file) to the maps GGUF.
+
+    int8 maps become Q8_0 without loss: each block of 32 keeps its codes and its group's scale."""
+    from .maps.convert import ConvertError, convert as run_convert
+
+    try:
+        r = run_convert(src, out, model=model, outtype=outtype, arch=arch, force=force,
+                        progress=None if quiet else (lambda msg: click.echo(f"convert: {msg}", err=True)))
+    except (ConvertError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {r.out}: {len(r.layers)} maps {r.d_out}x{r.d_in} as {r.outtype.upper()} from the "
+               f"{r.source_kind}, {r.bytes / 2**20:.1f} MiB in {r.seconds:.1f} s")
+    if r.blocks:
+        click.echo(f"int8 -> Q8_0: {r.blocks - r.requantized_blocks} of {r.blocks} blocks repacked exactly, "
+                   f"{r.requantized_blocks} requantized (scale not representable in f16)")
+    for w in r.warnings:
+        click.echo(f"warning: {w}")
+
+
+@main.command()
+@click.argument("maps", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--no-stats", is_flag=True, help="skip the per-layer weight statistics (faster on big files)")
+def inspect(maps: Path, as_json: bool, no_stats: bool) -> None:
+    """Show a maps GGUF: metadata, per-layer types, shapes, sizes and weight statistics."""
+    from .gguf_io import GGUFFormatError
+    from .maps.inspect import inspect_maps, summary_text
+
+    try:
+        report = inspect_maps(maps, stats=not no_stats)
+    except GGUFFormatError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report, indent=2) if as_json else summary_text(report))
+    sys.exit(1 if report["errors"] else 0)
+
+
+@main.command()
+@click.argument("maps", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+def verify(maps: Path, model: Path) -> None:
+    """Check that MAPS fit MODEL, with the engine's checks and words: exit 0 when they do."""
+    from .gguf_io import GGUFFormatError
+    from .maps import format as fmt
+
+    try:
+        fingerprint = fmt.model_fingerprint(model)
+    except (GGUFFormatError, ValueError) as e:
+        raise click.ClickException(f"model: {e}") from e
+    try:
+        problems = fmt.check_maps(fmt.read_maps(maps), fingerprint)
+    except GGUFFormatError as e:
+        click.echo(f"{maps}: {e}" if str(maps) not in str(e) else str(e))
+        sys.exit(1)
+    for w in problems.warnings:
+        click.echo(f"warning: {w}")
+    for e in problems.errors:
+        click.echo(f"{maps}: {e}")
+    if problems.ok:
+        click.echo(f"{maps}: fits {model} ({fingerprint.architecture}, {fingerprint.n_layer} layers, "
+                   f"n_embd {fingerprint.n_embd})")
+    sys.exit(0 if problems.ok else 1)
 
 
 @main.command()

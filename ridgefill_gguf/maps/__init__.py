@@ -1,0 +1,1 @@
+"""The maps GGUF: format (the contract with the engine), quantization, conversion and inspection."""

@@ -1,0 +1,337 @@
+"""The maps GGUF: the contract between the Python tools and the engine (docs/maps-format.md).
+
+One file per (model, split). Keys and tensors follow llama.cpp's adapter conventions:
+  blk.{l}.rf_map.weight  Q8_0 | F16 | BF16 | F32, ggml shape [d_in, d_out]: mul_mat(A, x_S) -> [d_out, n]
+  blk.{l}.rf_map.bias    F32 [d_out]
+  rf_token_freq          F32 [n_vocab] (optional)
+`check_maps` holds the checks the engine applies when it loads a file, with the words it uses.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType, GGUFWriter
+
+from ..gguf_io import GGUFFile, read_gguf, tensor_nbytes
+
+FORMAT_VERSION = 1
+ADAPTER_TYPE = "ridgefill"
+WEIGHT_TYPES = {"q8_0": QT.Q8_0, "f16": QT.F16, "bf16": QT.BF16, "f32": QT.F32}
+
+
+class K:
+    """Metadata keys (DESIGN §2)."""
+    GENERAL_TYPE = "general.type"
+    ADAPTER_TYPE = "adapter.type"
+    ARCH = "general.architecture"
+    NAME, LICENSE, AUTHOR, DOI, URL = "general.name", "general.license", "general.author", "general.doi", "general.url"
+    FORMAT_VERSION = "ridgefill.format_version"
+    SPLIT = "ridgefill.split"
+    LAYERS = "ridgefill.layers"
+    LAMBDA = "ridgefill.lambda"
+    TAIL = "ridgefill.tail_default"
+    FIT_ROWS = "ridgefill.fit.rows"
+    FIT_CORPUS = "ridgefill.fit.corpus_sha256"
+    MODEL_N_LAYER = "ridgefill.model.n_layer"
+    MODEL_N_EMBD = "ridgefill.model.n_embd"
+    MODEL_VOCAB = "ridgefill.model.vocab_sha256"
+
+
+def weight_name(layer: int) -> str:
+    return f"blk.{layer}.rf_map.weight"
+
+
+def bias_name(layer: int) -> str:
+    return f"blk.{layer}.rf_map.bias"
+
+
+TOKEN_FREQ = "rf_token_freq"
+
+
+@dataclass
+class MapsMeta:
+    architecture: str
+    split: int
+    layers: list[int]
+    lam: float | None = None
+    tail_default: int | None = None
+    name: str | None = None
+    license: str | None = None
+    author: str | None = None
+    doi: str | None = None
+    url: str | None = None
+    fit_rows: int | None = None
+    fit_corpus_sha256: str | None = None
+    model_n_layer: int | None = None
+    model_n_embd: int | None = None
+    model_vocab_sha256: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# the model side: what a maps file is checked against
+
+
+@dataclass
+class ModelFingerprint:
+    architecture: str
+    n_layer: int
+    n_embd: int
+    vocab_sha256: str | None = None
+    n_vocab: int | None = None
+    path: str | None = None
+
+
+def vocab_sha256(tokens: Iterable[bytes]) -> str:
+    """sha256 over the vocabulary: each token's UTF-8 bytes followed by a NUL, in id order."""
+    h = hashlib.sha256()
+    for tok in tokens:
+        h.update(tok)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
+    """Architecture, depth, width and vocabulary hash of a model GGUF."""
+    g = read_gguf(model_path)
+    arch = g.get("general.architecture")
+    if not arch:
+        raise ValueError(f"{model_path}: no general.architecture: not a model GGUF")
+    n_layer, n_embd = g.get(f"{arch}.block_count"), g.get(f"{arch}.embedding_length")
+    if n_layer is None or n_embd is None:
+        raise ValueError(f"{model_path}: no {arch}.block_count or {arch}.embedding_length")
+    tokens = g.fields.get("tokenizer.ggml.tokens")
+    vocab = vocab_sha256(tokens[1]) if tokens else None
+    return ModelFingerprint(arch, int(n_layer), int(n_embd), vocab, len(tokens[1]) if tokens else None,
+                            str(model_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+@dataclass
+class LayerMap:
+    """One late layer's map, ready to write: encoded weight bytes (or array) and a float32 bias."""
+    layer: int
+    weight: np.ndarray      # Q8_0: uint8 [d_out, d_in/32*34]; F16/BF16: uint16/float16 [d_out, d_in]; F32
+    weight_type: QT
+    d_in: int
+    bias: np.ndarray        # float32 [d_out]
+
+    @property
+    def d_out(self) -> int:
+        return int(self.bias.shape[0])
+
+
+@dataclass
+class LayerPlan:
+    """What a layer's tensors will look like, known before any data is produced (for the header)."""
+    layer: int
+    d_in: int
+    d_out: int
+    weight_type: QT
+
+
+def _raw_dtype_array(weight: np.ndarray, qtype: QT) -> np.ndarray:
+    if qtype == QT.BF16:
+        return np.ascontiguousarray(weight, dtype=np.uint16)
+    if qtype == QT.F16:
+        return np.ascontiguousarray(weight, dtype=np.float16)
+    if qtype == QT.F32:
+        return np.ascontiguousarray(weight, dtype=np.float32)
+    return np.ascontiguousarray(weight, dtype=np.uint8)
+
+
+def write_maps(out: str | Path, meta: MapsMeta, plans: list[LayerPlan],
+               produce: Callable[[LayerPlan], LayerMap], *, token_freq: np.ndarray | None = None,
+               force: bool = False, progress: Callable[[str], None] | None = None) -> Path:
+    """Write a maps GGUF, one layer in memory at a time, through a temporary file renamed at the end.
+
+    `plans` fixes the header; `produce(plan)` makes each layer's data when its turn comes."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists: pass --force to overwrite it")
+    if [p.layer for p in plans] != list(meta.layers):
+        raise ValueError("the layer plans do not follow ridgefill.layers")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        w = GGUFWriter(tmp, meta.architecture, use_temp_file=False)
+        _add_meta(w, meta)
+        for p in plans:
+            w.add_tensor_info(weight_name(p.layer), _byte_shape(p), _info_dtype(p.weight_type),
+                              tensor_nbytes((p.d_in, p.d_out), p.weight_type), raw_dtype=p.weight_type)
+            w.add_tensor_info(bias_name(p.layer), (p.d_out,), np.dtype(np.float32), 4 * p.d_out, raw_dtype=QT.F32)
+        if token_freq is not None:
+            w.add_tensor_info(TOKEN_FREQ, token_freq.shape, np.dtype(np.float32), token_freq.nbytes, raw_dtype=QT.F32)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, p in enumerate(plans, start=1):
+            lm = produce(p)
+            if (lm.layer, lm.d_in, lm.d_out, lm.weight_type) != (p.layer, p.d_in, p.d_out, p.weight_type):
+                raise ValueError(f"layer {p.layer}: produced {lm.d_out}x{lm.d_in} {lm.weight_type.name}, "
+                                 f"planned {p.d_out}x{p.d_in} {p.weight_type.name}")
+            w.write_tensor_data(_raw_dtype_array(lm.weight, lm.weight_type))
+            w.write_tensor_data(np.ascontiguousarray(lm.bias, dtype=np.float32))
+            if progress:
+                progress(f"layer {p.layer} ({i}/{len(plans)})")
+        if token_freq is not None:
+            w.write_tensor_data(np.ascontiguousarray(token_freq, dtype=np.float32))
+        w.close()
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _info_dtype(qtype: QT) -> np.dtype:
+    return {QT.F32: np.dtype(np.float32), QT.F16: np.dtype(np.float16)}.get(qtype, np.dtype(np.uint8))
+
+
+def _byte_shape(p: LayerPlan) -> tuple[int, ...]:
+    """The numpy shape gguf-py expects for add_tensor_info (it turns byte shapes back into ggml shapes)."""
+    if p.weight_type == QT.Q8_0:
+        return (p.d_out, p.d_in // 32 * 34)
+    if p.weight_type == QT.BF16:
+        return (p.d_out, p.d_in * 2)
+    return (p.d_out, p.d_in)
+
+
+def _add_meta(w: GGUFWriter, m: MapsMeta) -> None:
+    w.add_string(K.GENERAL_TYPE, "adapter")
+    w.add_string(K.ADAPTER_TYPE, ADAPTER_TYPE)
+    for key, value in ((K.NAME, m.name), (K.LICENSE, m.license), (K.AUTHOR, m.author), (K.DOI, m.doi),
+                       (K.URL, m.url), (K.FIT_CORPUS, m.fit_corpus_sha256), (K.MODEL_VOCAB, m.model_vocab_sha256)):
+        if value:
+            w.add_string(key, value)
+    w.add_uint32(K.FORMAT_VERSION, FORMAT_VERSION)
+    w.add_uint32(K.SPLIT, m.split)
+    w.add_key_value(K.LAYERS, [int(x) for x in m.layers], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    if m.lam is not None:
+        w.add_float32(K.LAMBDA, float(m.lam))
+    if m.tail_default is not None:
+        w.add_uint32(K.TAIL, int(m.tail_default))
+    if m.fit_rows is not None:
+        w.add_uint64(K.FIT_ROWS, int(m.fit_rows))
+    if m.model_n_layer is not None:
+        w.add_uint32(K.MODEL_N_LAYER, int(m.model_n_layer))
+    if m.model_n_embd is not None:
+        w.add_uint32(K.MODEL_N_EMBD, int(m.model_n_embd))
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and checking
+
+
+@dataclass
+class Problems:
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def read_maps(path: str | Path) -> GGUFFile:
+    return read_gguf(path)
+
+
+def maps_meta(g: GGUFFile) -> MapsMeta:
+    return MapsMeta(
+        architecture=g.get(K.ARCH, ""), split=g.get(K.SPLIT, -1), layers=list(g.get(K.LAYERS, []) or []),
+        lam=_f32_value(g.get(K.LAMBDA)), tail_default=g.get(K.TAIL), name=g.get(K.NAME), license=g.get(K.LICENSE),
+        author=g.get(K.AUTHOR), doi=g.get(K.DOI), url=g.get(K.URL), fit_rows=g.get(K.FIT_ROWS),
+        fit_corpus_sha256=g.get(K.FIT_CORPUS), model_n_layer=g.get(K.MODEL_N_LAYER),
+        model_n_embd=g.get(K.MODEL_N_EMBD), model_vocab_sha256=g.get(K.MODEL_VOCAB))
+
+
+def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
+    """The loader's checks. Errors refuse the file (the engine keeps serving stock); warnings do not."""
+    p = Problems()
+    err = p.errors.append
+    if g.get(K.GENERAL_TYPE) != "adapter":
+        err(f"general.type is '{g.get(K.GENERAL_TYPE)}', expected 'adapter'")
+    if g.get(K.ADAPTER_TYPE) != ADAPTER_TYPE:
+        err(f"adapter.type is '{g.get(K.ADAPTER_TYPE)}', expected '{ADAPTER_TYPE}'")
+        return p  # not a maps file at all: the rest would only repeat that
+    version = g.get(K.FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        err(f"ridgefill.format_version is {version}, this build reads {FORMAT_VERSION}")
+    for key, want in ((K.SPLIT, GGUFValueType.UINT32), (K.LAYERS, GGUFValueType.UINT32)):
+        raw = g.fields.get(key)
+        if raw is not None and (raw[2] or raw[0]) != want:
+            err(f"{key} has type {(raw[2] or raw[0]).name}" + (" items" if raw[2] else "") + f", expected {want.name}")
+    meta = maps_meta(g)
+    split, layers = meta.split, meta.layers
+    if split is None or split < 0:
+        err("ridgefill.split is missing")
+    if not layers:
+        err("ridgefill.layers is missing or empty")
+    elif layers != sorted(set(layers)):
+        err(f"ridgefill.layers is not strictly increasing: {layers}")
+    if split is not None and split >= 0 and layers and min(layers) < split:
+        err(f"ridgefill.layers holds layer {min(layers)} below the split {split}: maps are for layers at or above it")
+    widths = set()
+    for layer in layers:
+        w, b = g.tensors.get(weight_name(layer)), g.tensors.get(bias_name(layer))
+        if w is None:
+            err(f"tensor {weight_name(layer)} is missing")
+            continue
+        if w.type not in WEIGHT_TYPES.values():
+            err(f"tensor {w.name} has type {w.type.name}, expected one of Q8_0, F16, BF16, F32")
+        if len(w.ne) != 2:
+            err(f"tensor {w.name} has shape {list(w.ne)}, expected [d_in, d_out]")
+            continue
+        d_in, d_out = w.ne
+        widths.add((d_in, d_out))
+        if b is None:
+            err(f"tensor {bias_name(layer)} is missing")
+        elif b.type != QT.F32 or b.ne != (d_out,):
+            err(f"tensor {b.name} is {b.type.name} {list(b.ne)}, expected F32 [{d_out}]")
+    extra = sorted(set(g.tensors) - {weight_name(x) for x in layers} - {bias_name(x) for x in layers} - {TOKEN_FREQ})
+    if extra:
+        p.warnings.append(f"tensors not in ridgefill.layers are ignored: {', '.join(extra[:5])}"
+                          + (" ..." if len(extra) > 5 else ""))
+    if model is None:
+        return p
+    if meta.architecture != model.architecture:
+        err(f"general.architecture is '{meta.architecture}', the model is '{model.architecture}'")
+    if meta.model_n_embd is not None and meta.model_n_embd != model.n_embd:
+        err(f"ridgefill.model.n_embd is {meta.model_n_embd}, the model has {model.n_embd}")
+    if meta.model_n_layer is not None and meta.model_n_layer != model.n_layer:
+        err(f"ridgefill.model.n_layer is {meta.model_n_layer}, the model has {model.n_layer}")
+    if split is not None and not 0 < split < model.n_layer:
+        err(f"ridgefill.split {split} is outside the model's layers 1..{model.n_layer - 1}")
+    if layers and max(layers) >= model.n_layer:
+        err(f"ridgefill.layers holds layer {max(layers)}, the model has layers 0..{model.n_layer - 1}")
+    for d_in, d_out in sorted(widths):
+        if d_in != model.n_embd or d_out != model.n_embd:
+            err(f"a map is {d_out}x{d_in} (d_out x d_in), the model's residual stream is {model.n_embd} wide")
+    tf = g.tensors.get(TOKEN_FREQ)
+    if tf is not None and model.n_vocab is not None and tf.ne != (model.n_vocab,):
+        err(f"tensor {TOKEN_FREQ} has {list(tf.ne)} entries, the model's vocabulary has {model.n_vocab}")
+    if meta.model_vocab_sha256 and model.vocab_sha256 and meta.model_vocab_sha256 != model.vocab_sha256:
+        p.warnings.append("ridgefill.model.vocab_sha256 differs from the model's vocabulary: "
+                          "the maps were fitted on another tokenizer")
+    return p
+
+
+def _f32_value(x: float | None) -> float | None:
+    """An f32 key as the decimal it was written from (0.01, not 0.009999999776)."""
+    return None if x is None else float(f"{x:.7g}")
