@@ -115,7 +115,7 @@ def export(repo: Path = VENDOR, patch_dir: Path = PATCH_DIR) -> int:
         raise PatchError(f"{repo} is not on branch `{BRANCH}`")
     patch_dir.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=patch_dir.parent) as tmp:
-        git(repo, "format-patch", "-q", "--zero-commit", "--no-signature", "--full-index",
+        git(repo, "format-patch", "-q", "--no-numbered", "--zero-commit", "--no-signature", "--full-index",
             "-o", tmp, f"{UPSTREAM_TAG}..{BRANCH}")
         fresh = sorted(Path(tmp).glob("*.patch"))
         for old in series(patch_dir):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
@@ -32,15 +34,52 @@ def available() -> bool:
     return hasattr(_lib(), "llama_ridgefill_api_version")
 
 
-def load() -> RidgeFillLib:
+# name: (restype, argtypes)
+_SIGNATURES = {
+    "llama_ridgefill_api_version": (ctypes.c_uint32, []),
+    "llama_ridgefill_build_info": (ctypes.c_char_p, []),
+    "llama_ridgefill_arch_supported": (ctypes.c_bool, [ctypes.c_void_p]),
+    "llama_ridgefill_capture_layer_input": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]),
+    "llama_ridgefill_get_layer_input": (ctypes.POINTER(ctypes.c_float), [ctypes.c_void_p, ctypes.c_int32]),
+}
+
+
+def _bound() -> ctypes.CDLL:
     lib = _lib()
     if not hasattr(lib, "llama_ridgefill_api_version"):
         raise RidgeFillUnavailable(
             f"the loaded libllama ({libs.loaded_lib_dir()}) has no llama_ridgefill_* API: it is not a RidgeFill build")
-    lib.llama_ridgefill_api_version.restype = ctypes.c_uint32
-    lib.llama_ridgefill_api_version.argtypes = []
-    lib.llama_ridgefill_build_info.restype = ctypes.c_char_p
-    lib.llama_ridgefill_build_info.argtypes = []
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            raise RidgeFillUnavailable(f"libllama lacks {name}: rebuild the RidgeFill build (`make build`)")
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def arch_supported(model) -> bool:
+    return bool(_bound().llama_ridgefill_arch_supported(model))
+
+
+def capture_layer_input(ctx, layer: int, enable: bool = True) -> None:
+    """Capture layer `layer`'s input (the residual stream before its first norm) at the next decodes."""
+    rc = _bound().llama_ridgefill_capture_layer_input(ctx, layer, enable)
+    if rc == -1:
+        raise RidgeFillUnavailable("this model's architecture has no layer-input handle for RidgeFill capture")
+    if rc == -2:
+        raise ValueError(f"layer {layer} is outside the model's layers")
+
+
+def get_layer_input(ctx, layer: int, n_tokens: int, n_embd: int) -> np.ndarray:
+    """A copy of layer `layer`'s inputs for the last decode: float32 [n_tokens, n_embd]."""
+    ptr = _bound().llama_ridgefill_get_layer_input(ctx, layer)
+    if not ptr:
+        raise RuntimeError(f"no captured input for layer {layer}: enable capture, then decode")
+    return np.ctypeslib.as_array(ptr, shape=(n_tokens, n_embd)).copy()
+
+
+def load() -> RidgeFillLib:
+    lib = _bound()
     version = lib.llama_ridgefill_api_version()
     if version != API_VERSION:
         raise RidgeFillUnavailable(

@@ -1,0 +1,1 @@
+"""Fitting RidgeFill maps: capture through llama.cpp, running sums, closed-form ridge solve."""

@@ -1,0 +1,106 @@
+"""Running sums for the ridge fit: one document at a time, exactly what a solve on all rows would see.
+
+Per split S: n, Σx_S, Σy_l, X_SᵀX_S and X_SᵀY_l for every later layer l. Each chunk's products are
+computed in float32 and added into float64 sums, so the order of documents does not matter beyond
+float64 rounding, and a solve from the sums equals a one-shot solve on the stacked rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SUMS_VERSION = 1
+
+
+@dataclass
+class SplitSums:
+    split: int
+    layers: list[int]
+    d_in: int
+    d_out: int
+    n: int = 0
+    sum_x: np.ndarray = None           # [d_in] float64
+    xtx: np.ndarray = None             # [d_in, d_in] float64
+    sum_y: dict[int, np.ndarray] = field(default_factory=dict)   # l -> [d_out]
+    xty: dict[int, np.ndarray] = field(default_factory=dict)     # l -> [d_in, d_out]
+
+    def __post_init__(self):
+        if self.sum_x is None:
+            self.sum_x = np.zeros(self.d_in, np.float64)
+            self.xtx = np.zeros((self.d_in, self.d_in), np.float64)
+            for layer in self.layers:
+                self.sum_y[layer] = np.zeros(self.d_out, np.float64)
+                self.xty[layer] = np.zeros((self.d_in, self.d_out), np.float64)
+
+    def add(self, x: np.ndarray, ys: dict[int, np.ndarray]) -> None:
+        """Add rows: x [n, d_in] is layer S's input, ys[l] [n, d_out] layer l's input, float32."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if not len(x):
+            return
+        self.n += len(x)
+        self.sum_x += x.sum(axis=0, dtype=np.float64)
+        self.xtx += (x.T @ x).astype(np.float64)
+        for layer in self.layers:
+            y = np.ascontiguousarray(ys[layer], dtype=np.float32)
+            self.sum_y[layer] += y.sum(axis=0, dtype=np.float64)
+            self.xty[layer] += (x.T @ y).astype(np.float64)
+
+    @staticmethod
+    def bytes_needed(d_in: int, d_out: int, n_layers: int) -> int:
+        return 8 * (d_in * d_in + d_in + n_layers * (d_in * d_out + d_out))
+
+
+@dataclass
+class CaptureState:
+    """Everything a capture has accumulated, with what it has read so far (for resuming)."""
+    model_sha: str
+    splits: dict[int, SplitSums]
+    done_docs: list[str] = field(default_factory=list)  # sha256 of each finished document
+    tokens: int = 0
+    excluded_rows: dict[str, int] = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        """Atomically: an interrupted save leaves the previous checkpoint intact."""
+        arrays = {}
+        for s, ss in self.splits.items():
+            arrays[f"{s}/sum_x"], arrays[f"{s}/xtx"] = ss.sum_x, ss.xtx
+            for layer in ss.layers:
+                arrays[f"{s}/sum_y/{layer}"], arrays[f"{s}/xty/{layer}"] = ss.sum_y[layer], ss.xty[layer]
+        header = {"version": SUMS_VERSION, "model_sha": self.model_sha, "done_docs": self.done_docs,
+                  "tokens": self.tokens, "excluded_rows": self.excluded_rows, "options": self.options,
+                  "splits": {str(s): {"layers": ss.layers, "d_in": ss.d_in, "d_out": ss.d_out, "n": ss.n}
+                             for s, ss in self.splits.items()}}
+        arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
+        os.close(fd)
+        try:
+            np.savez(tmp, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path) -> "CaptureState":
+        with np.load(path) as data:
+            header = json.loads(bytes(data["header"]).decode())
+            if header.get("version") != SUMS_VERSION:
+                raise ValueError(f"{path}: sums format {header.get('version')}, this version reads {SUMS_VERSION}")
+            splits = {}
+            for s_str, info in header["splits"].items():
+                s = int(s_str)
+                ss = SplitSums(s, info["layers"], info["d_in"], info["d_out"], info["n"],
+                               data[f"{s}/sum_x"].copy(), data[f"{s}/xtx"].copy())
+                for layer in ss.layers:
+                    ss.sum_y[layer] = data[f"{s}/sum_y/{layer}"].copy()
+                    ss.xty[layer] = data[f"{s}/xty/{layer}"].copy()
+                splits[s] = ss
+        return cls(header["model_sha"], splits, header["done_docs"], header["tokens"], header["excluded_rows"],
+                   header["options"])
