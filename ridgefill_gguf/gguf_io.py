@@ -131,7 +131,8 @@ def _parse(path: Path, buf: mmap.mmap, size: int, skip_arrays: tuple[str, ...]) 
                 fields[key] = (vt, n, sub)
             elif any(key.startswith(p) for p in skip_arrays) and sub == VT.STRING:
                 for _ in range(n):
-                    pos += take("Q")
+                    length = take("Q")  # not `pos += take(...)`: take moves pos itself
+                    pos += length
                 fields[key] = (vt, n, sub)
             else:
                 fields[key] = (vt, [value(sub) for _ in range(n)], sub)

@@ -18,15 +18,15 @@ def test_version_prints_the_package_version():
 def test_help_lists_the_working_commands_and_none_that_are_not_built_yet():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
-    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify"):
+    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus"):
         assert cmd in result.output
-    for later in ("fit", "serve", "eval", "bench"):
+    for later in ("serve", "eval", "bench"):
         assert f"  {later} " not in result.output
-    assert CliRunner().invoke(main, ["fit"]).exit_code != 0
+    assert CliRunner().invoke(main, ["serve"]).exit_code != 0
 
 
 def test_every_command_has_help():
-    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify"):
+    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus"):
         result = CliRunner().invoke(main, [cmd, "--help"])
         assert result.exit_code == 0 and "Usage:" in result.output
 

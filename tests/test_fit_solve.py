@@ -61,10 +61,10 @@ def test_saved_sums_load_back_identically_and_solve_the_same(tmp_path):
     x, ys, _ = synthetic(rng, 800, 16, [2, 3])
     ss = SplitSums(1, [2, 3], 16, 16)
     ss.add(x, ys)
-    state = CaptureState("abc", {1: ss}, done_docs=["d1"], tokens=800, excluded_rows={"position": 2})
+    state = CaptureState("abc", {1: ss}, done_docs=["d1"], tokens=800, excluded_rows={"1": {"position": 2}})
     state.save(tmp_path / "sums.npz")
     back = CaptureState.load(tmp_path / "sums.npz")
-    assert back.done_docs == ["d1"] and back.tokens == 800 and back.excluded_rows == {"position": 2}
+    assert back.done_docs == ["d1"] and back.tokens == 800 and back.excluded_rows == {"1": {"position": 2}}
     b = back.splits[1]
     assert b.n == ss.n and np.array_equal(b.xtx, ss.xtx) and np.array_equal(b.xty[3], ss.xty[3])
     assert np.array_equal(solve(b, 0.03)[2].weight, solve(ss, 0.03)[2].weight)

@@ -62,7 +62,7 @@ class CaptureState:
     splits: dict[int, SplitSums]
     done_docs: list[str] = field(default_factory=list)  # sha256 of each finished document
     tokens: int = 0
-    excluded_rows: dict[str, int] = field(default_factory=dict)
+    excluded_rows: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> reason -> rows
     options: dict = field(default_factory=dict)
 
     def save(self, path: Path) -> None:

@@ -1,0 +1,150 @@
+"""Capture layer inputs through llama.cpp (the patched build, RidgeFill off), one document at a time.
+
+The model runs as llama.cpp serves it (quantized weights, its own kernels). For every prompt row the
+capture reads the input of each layer from the first split up: the residual stream before the layer's
+first norm, through llama_ridgefill_get_layer_input.
+
+Attention-sink rows are left out of every sum (paper §2.4; measured on SmolLM2: with them the fitted maps
+score below the identity). The rule, applied per document and per split:
+  1. position: the document's first row (BOS, or the first token), always;
+  2. special: rows whose token is a control token of the vocabulary (BOS/EOS/chat markers);
+  3. outlier: rows whose split-state norm exceeds OUTLIER_FACTOR times the median norm of the document's
+     other rows (sinks that sit elsewhere in the text).
+Each exclusion is counted by reason.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+OUTLIER_FACTOR = 8.0
+
+
+@dataclass
+class Document:
+    doc_id: str      # sha256 of the text
+    name: str
+    text: str
+
+
+@dataclass
+class CapturedRows:
+    """Rows of one document, after exclusions, for one split: x [n, d] and ys[l] [n, d], float32."""
+    split: int
+    x: np.ndarray
+    ys: dict[int, np.ndarray]
+
+
+@dataclass
+class DocCapture:
+    n_tokens: int
+    splits: dict[int, CapturedRows]
+    excluded: dict[int, dict[str, int]] = field(default_factory=dict)  # split -> reason -> rows
+
+
+TEXT_SUFFIXES = {".txt", ".md", ".py", ".c", ".h", ".js", ".tex", ".rst", ".json", ".html", ".cpp", ".rnw"}
+
+
+def iter_documents(paths: list[str | Path]) -> Iterator[Document]:
+    """Text files under the given files and folders, in a stable order; unreadable or empty ones raise."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: no such file or folder")
+    if not files:
+        raise ValueError(f"no text files in {', '.join(map(str, paths))}")
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{f}: unreadable as UTF-8 text ({e})") from e
+        if text.strip():
+            yield Document(hashlib.sha256(text.encode()).hexdigest(), str(f), text)
+
+
+def file_hashes(paths: list[str | Path]) -> dict[str, str]:
+    return {d.doc_id: d.name for d in iter_documents(paths)}
+
+
+class Capturer:
+    """One llama.cpp context with capture on for layers first_split..n_layer-1."""
+
+    def __init__(self, model_path: str | Path, first_layer: int, *, n_ctx: int = 4096, n_batch: int = 512,
+                 n_threads: int | None = None, n_gpu_layers: int = 0):
+        from .. import libs
+        from ..engine import bindings
+
+        self.bindings = bindings
+        self.llama_cpp = libs.use_build("ridgefill")
+        self.llm = self.llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                                        n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=n_gpu_layers,
+                                        logits_all=False, verbose=False)
+        self.ctx, self.model = self.llm.ctx, self.llm.model
+        if not bindings.arch_supported(self.model):
+            arch = self.llm.metadata.get("general.architecture", "?")
+            raise ValueError(f"architecture '{arch}' is not supported by RidgeFill capture "
+                             "(llama, qwen2, qwen3, qwen35, qwen3next, gemma3)")
+        self.n_layer = self.llama_cpp.llama_model_n_layer(self.model)
+        self.n_embd = self.llm.n_embd()
+        self.n_ctx, self.n_batch = n_ctx, n_batch
+        self.layers = list(range(first_layer, self.n_layer))
+        for layer in self.layers:
+            bindings.capture_layer_input(self.ctx, layer, True)
+        vocab = self.llama_cpp.llama_model_get_vocab(self.model)
+        self._is_control = lambda t: bool(self.llama_cpp.llama_vocab_is_control(vocab, t))
+
+    def tokenize(self, text: str, max_tokens: int) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=True, special=False)[:max_tokens]
+
+    def run(self, tokens: list[int]) -> dict[int, np.ndarray]:
+        """Every captured layer's inputs for a whole token sequence: {layer: [n, d]} float32."""
+        self.llm.reset()  # the next eval drops every cached position from 0 on
+        parts: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            self.llm.eval(chunk)
+            for layer in self.layers:
+                parts[layer].append(self.bindings.get_layer_input(self.ctx, layer, len(chunk), self.n_embd))
+        return {layer: np.concatenate(p) for layer, p in parts.items()}
+
+    def capture(self, tokens: list[int], splits: list[int], stride: int = 1) -> DocCapture:
+        inputs = self.run(tokens)
+        control = np.array([self._is_control(t) for t in tokens])
+        out = DocCapture(len(tokens), {})
+        for split in splits:
+            keep, out.excluded[split] = row_mask(inputs[split], control)
+            keep &= (np.arange(len(tokens)) % stride) == 0
+            out.splits[split] = CapturedRows(split, inputs[split][keep],
+                                             {layer: inputs[layer][keep] for layer in self.layers if layer > split})
+        return out
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def row_mask(x_split: np.ndarray, control: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+    """Which rows enter the sums, and how many each rule left out (a row counts under its first rule)."""
+    n = len(x_split)
+    keep = np.ones(n, dtype=bool)
+    reasons = {"position": 0, "special": 0, "outlier": 0}
+    if n:
+        keep[0] = False
+        reasons["position"] = 1
+    special = control & keep
+    reasons["special"] = int(special.sum())
+    keep &= ~control
+    norms = np.linalg.norm(x_split.astype(np.float64), axis=1)
+    if keep.any():
+        median = float(np.median(norms[keep]))
+        outlier = keep & (norms > OUTLIER_FACTOR * median)
+        reasons["outlier"] = int(outlier.sum())
+        keep &= ~outlier
+    return keep, reasons
