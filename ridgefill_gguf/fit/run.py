@@ -235,7 +235,7 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
         heldout_rows = capture_heldout(cap, heldout, opts, log)
     finally:
         cap.close()
-    heldout_rows.save(sums_path.with_name(sums_path.name.replace(".sums.npz", "") + ".heldout.npz"))
+    heldout_rows.save(heldout_path(sums_path))
     proj = CacheProjector(model)
     report = {"model": str(model), "architecture": model_fp.architecture, "n_layer": model_fp.n_layer,
               "n_embd": model_fp.n_embd, "calibration": {"documents": len(state.done_docs), "tokens": state.tokens,
@@ -257,6 +257,37 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
     report["seconds"] = time.perf_counter() - t_start
     write_reports(out, report)
     return report
+
+
+def heldout_path(sums_path: Path) -> Path:
+    return sums_path.with_name(sums_path.name.replace(".sums.npz", "") + ".heldout.npz")
+
+
+def resolve(sums_path: Path, model: Path, out: Path, *, lam: float | None, lambdas, splits: list[int] | None,
+            opts: FitOptions, force: bool, log) -> dict[int, tuple[Path, float]]:
+    """`ridgefill-gguf solve`: maps from saved sums, at a given λ or one chosen on the saved held-out rows."""
+    state = CaptureState.load(sums_path)
+    model_fp = fmt.model_fingerprint(model)
+    if any(ss.d_in != model_fp.n_embd for ss in state.splits.values()):
+        raise FitError(f"{sums_path} was captured from a model {next(iter(state.splits.values())).d_in} wide; "
+                       f"{model} is {model_fp.n_embd} wide")
+    splits = splits or sorted(state.splits)
+    missing = [s for s in splits if s not in state.splits]
+    if missing:
+        raise FitError(f"{sums_path} has no sums for split(s) {missing}; it has {sorted(state.splits)}")
+    held = None
+    if lam is None:
+        hp = heldout_path(sums_path)
+        if not hp.exists():
+            raise FitError(f"no --lambda and no held-out rows at {hp} to choose one")
+        held, proj = HeldOut.load(hp), CacheProjector(model)
+    written = {}
+    for s in splits:
+        ss = state.splits[s]
+        chosen = lam if lam is not None else evaluate(ss, held, proj, lambdas or DEFAULT_LAMBDAS, log)["best"]
+        o = output_path(out, s, len(splits))
+        written[s] = (write_split_maps(o, model_fp, ss, chosen, state, opts, force), chosen)
+    return written
 
 
 def _scores(d: dict[int, LayerScore]) -> list[dict]:
