@@ -10,7 +10,6 @@ the tree is assembled in a temporary folder and renamed into place at the end.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import subprocess
@@ -20,6 +19,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # ridgefill_gguf.util needs only the standard library: no install yet
+
+from ridgefill_gguf.util import sha256_file  # noqa: E402
 PIN_FILE = ROOT / "tools" / "upstream.pin"
 UPSTREAM_TAG = "upstream"
 # fixed identity and date: the same sdist always gives the same commit id
@@ -45,14 +47,6 @@ def read_pin(path: Path = PIN_FILE) -> dict[str, str]:
             key, _, value = line.partition("=")
             pin[key.strip()] = value.strip()
     return pin
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def git(repo: Path, *args: str, env_extra: dict | None = None, capture: bool = True) -> str:
