@@ -68,6 +68,11 @@ def test_saved_sums_load_back_identically_and_solve_the_same(tmp_path):
     b = back.splits[1]
     assert b.n == ss.n and np.array_equal(b.xtx, ss.xtx) and np.array_equal(b.xty[3], ss.xty[3])
     assert np.array_equal(solve(b, 0.03)[2].weight, solve(ss, 0.03)[2].weight)
+    # a resumed capture keeps adding into the loaded sums
+    more_x, more_ys, _ = synthetic(rng, 300, 16, [2, 3])
+    b.add(more_x, more_ys)
+    ss.add(more_x, more_ys)
+    assert b.n == ss.n and np.array_equal(b.xty[2], ss.xty[2]) and np.array_equal(b.sum_y[3], ss.sum_y[3])
 
 
 def test_too_few_rows_are_refused():
