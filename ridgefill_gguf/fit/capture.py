@@ -75,9 +75,9 @@ def file_hashes(paths: list[str | Path]) -> dict[str, str]:
 
 
 class Capturer:
-    """One llama.cpp context with capture on for layers first_split..n_layer-1."""
+    """One llama.cpp context with capture on for the given layers (an int: that layer and all above it)."""
 
-    def __init__(self, model_path: str | Path, first_layer: int, *, n_ctx: int = 4096, n_batch: int = 512,
+    def __init__(self, model_path: str | Path, layers: int | list[int], *, n_ctx: int = 4096, n_batch: int = 512,
                  n_threads: int | None = None, n_gpu_layers: int = 0):
         from .. import libs
         from ..engine import bindings
@@ -95,7 +95,7 @@ class Capturer:
         self.n_layer = self.llama_cpp.llama_model_n_layer(self.model)
         self.n_embd = self.llm.n_embd()
         self.n_ctx, self.n_batch = n_ctx, n_batch
-        self.layers = list(range(first_layer, self.n_layer))
+        self.layers = list(range(layers, self.n_layer)) if isinstance(layers, int) else sorted(layers)
         for layer in self.layers:
             bindings.capture_layer_input(self.ctx, layer, True)
         vocab = self.llama_cpp.llama_model_get_vocab(self.model)
@@ -123,7 +123,8 @@ class Capturer:
             keep, out.excluded[split] = row_mask(inputs[split], control)
             keep &= (np.arange(len(tokens)) % stride) == 0
             out.splits[split] = CapturedRows(split, inputs[split][keep],
-                                             {layer: inputs[layer][keep] for layer in self.layers if layer > split})
+                                             {layer: inputs[layer][keep] for layer in self.layers
+                                              if layer > split})
         return out
 
     def close(self) -> None:

@@ -39,6 +39,11 @@ class FitOptions:
     outtype: str = "q8_0"
     tail_default: int = 1024
     checkpoint_every_s: float = 60.0
+    layer_range: tuple[int, int] | None = None  # fit only these late layers (a group, to bound memory)
+
+    def late_layers(self, split: int, n_layer: int) -> list[int]:
+        lo, hi = self.layer_range or (0, n_layer - 1)
+        return [layer for layer in range(split + 1, n_layer) if lo <= layer <= hi]
 
 
 @dataclass
@@ -74,12 +79,15 @@ def available_memory() -> int | None:
         return None
 
 
-def check_memory(d: int, n_layer: int, splits: list[int], avail: int | None = None) -> int:
-    need = sum(SplitSums.bytes_needed(d, d, n_layer - s - 1) for s in splits)
+def check_memory(d: int, n_layer: int, splits: list[int], avail: int | None = None,
+                 opts: FitOptions | None = None) -> int:
+    opts = opts or FitOptions(splits=splits)
+    need = sum(SplitSums.bytes_needed(d, d, len(opts.late_layers(s, n_layer))) for s in splits)
     avail = available_memory() if avail is None else avail
     if avail is not None and need > 0.7 * avail:
         raise FitError(f"the sums need {need / 2**30:.1f} GiB for splits {splits} (d={d}), and only "
-                       f"{avail / 2**30:.1f} GiB is available: fit fewer splits per pass (one --split at a time)")
+                       f"{avail / 2**30:.1f} GiB is available: fit one --split per pass, and the late layers in "
+                       "groups (--layers A-B, one pass each), then join the files with `ridgefill-gguf merge`")
     return need
 
 
@@ -187,6 +195,8 @@ def validate(model_fp: fmt.ModelFingerprint, calib: list, heldout: list, opts: F
             raise FitError(f"split {s} is outside 1..{model_fp.n_layer - 1} (the model has {model_fp.n_layer} layers)")
         if s == model_fp.n_layer - 1:
             raise FitError(f"split {s} leaves no layer to map: layer {s} reads x_S itself, maps start at {s + 1}")
+        if not opts.late_layers(s, model_fp.n_layer):
+            raise FitError(f"--layers {opts.layer_range[0]}-{opts.layer_range[1]} holds no layer above split {s}")
     overlap = {d.doc_id for d in calib} & {d.doc_id for d in heldout}
     if overlap:
         names = sorted(d.name for d in heldout if d.doc_id in overlap)
@@ -210,20 +220,22 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
     for o in outs:
         if o.exists() and not force:
             raise FitError(f"{o} exists: pass --force to overwrite it")
-    check_memory(model_fp.n_embd, model_fp.n_layer, opts.splits)
+    check_memory(model_fp.n_embd, model_fp.n_layer, opts.splits, opts=opts)
     model_sha = hashlib.sha256(f"{model_fp.path}:{model_fp.vocab_sha256}:{model_fp.n_layer}".encode()).hexdigest()
     sums_path = sums_path or out.with_name(out.stem + ".sums.npz")
     if sums_path.exists():
         state = CaptureState.load(sums_path)
-        if state.model_sha != model_sha or sorted(state.splits) != sorted(opts.splits):
-            raise FitError(f"{sums_path} holds sums of another model or other splits: remove it or pass --sums")
+        if state.model_sha != model_sha or {s: ss.layers for s, ss in state.splits.items()} != \
+                {s: opts.late_layers(s, model_fp.n_layer) for s in opts.splits}:
+            raise FitError(f"{sums_path} holds sums of another model, splits or layers: remove it or pass --sums")
         log(f"fit: resuming from {sums_path}: {len(state.done_docs)} documents, {state.tokens} tokens done")
     else:
         d, L = model_fp.n_embd, model_fp.n_layer
         # layer S itself reads x_S exactly: maps start at S+1
-        state = CaptureState(model_sha, {s: SplitSums(s, list(range(s + 1, L)), d, d) for s in opts.splits},
+        state = CaptureState(model_sha, {s: SplitSums(s, opts.late_layers(s, L), d, d) for s in opts.splits},
                              options={"stride": opts.stride, "max_doc_tokens": opts.max_doc_tokens})
-    cap = Capturer(model, min(opts.splits), n_ctx=opts.max_doc_tokens, n_batch=opts.n_batch,
+    wanted = sorted(set(opts.splits) | {layer for ss in state.splits.values() for layer in ss.layers})
+    cap = Capturer(model, wanted, n_ctx=opts.max_doc_tokens, n_batch=opts.n_batch,
                    n_threads=opts.n_threads, n_gpu_layers=opts.n_gpu_layers)
     try:
         t0, tokens0 = time.perf_counter(), state.tokens

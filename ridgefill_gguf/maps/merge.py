@@ -1,0 +1,52 @@
+"""Join maps GGUFs of one (model, split) whose layer groups were fitted in separate passes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from . import format as fmt
+
+_RAW_DTYPE = {QT.Q8_0: np.uint8, QT.F16: np.float16, QT.BF16: np.uint16, QT.F32: np.float32}
+# what must agree between the parts
+_SAME = ("architecture", "split", "lam", "model_n_layer", "model_n_embd", "model_vocab_sha256")
+
+
+class MergeError(ValueError):
+    pass
+
+
+def merge(parts: list[str | Path], out: str | Path, force: bool = False) -> Path:
+    files = [fmt.read_maps(p) for p in parts]
+    metas = [fmt.maps_meta(g) for g in files]
+    for p, g in zip(parts, files):
+        problems = fmt.check_maps(g)
+        if not problems.ok:
+            raise MergeError(f"{p}: " + "; ".join(problems.errors))
+    for key in _SAME:
+        values = {getattr(m, key) for m in metas}
+        if len(values) > 1:
+            raise MergeError(f"the parts disagree on {key}: {sorted(map(str, values))}"
+                             + (" (fit every group with the same single --lambdas value)" if key == "lam" else ""))
+    owner: dict[int, int] = {}
+    for i, m in enumerate(metas):
+        for layer in m.layers:
+            if layer in owner:
+                raise MergeError(f"layer {layer} is in both {parts[owner[layer]]} and {parts[i]}")
+            owner[layer] = i
+    layers = sorted(owner)
+    meta = fmt.MapsMeta(**{**metas[0].__dict__, "layers": layers,
+                           "fit_rows": min((m.fit_rows for m in metas if m.fit_rows), default=None)})
+    plans = []
+    for layer in layers:
+        w = files[owner[layer]].tensors[fmt.weight_name(layer)]
+        plans.append(fmt.LayerPlan(layer, int(w.ne[0]), int(w.ne[1]), w.type))
+
+    def produce(plan: fmt.LayerPlan) -> fmt.LayerMap:
+        g = files[owner[plan.layer]]
+        raw = np.asarray(g.raw(fmt.weight_name(plan.layer))).view(_RAW_DTYPE[plan.weight_type])
+        bias = np.asarray(g.raw(fmt.bias_name(plan.layer))).view(np.float32)
+        return fmt.LayerMap(plan.layer, raw.reshape(plan.d_out, -1), plan.weight_type, plan.d_in, bias)
+
+    return fmt.write_maps(out, meta, plans, produce, force=force)
