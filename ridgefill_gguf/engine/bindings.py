@@ -41,7 +41,50 @@ _SIGNATURES = {
     "llama_ridgefill_arch_supported": (ctypes.c_bool, [ctypes.c_void_p]),
     "llama_ridgefill_capture_layer_input": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]),
     "llama_ridgefill_get_layer_input": (ctypes.POINTER(ctypes.c_float), [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_maps_load": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]),
+    "llama_ridgefill_maps_free": (None, [ctypes.c_void_p]),
+    "llama_ridgefill_last_error": (ctypes.c_char_p, []),
+    "llama_ridgefill_maps_split": (ctypes.c_int32, [ctypes.c_void_p]),
+    "llama_ridgefill_maps_n_layers": (ctypes.c_int32, [ctypes.c_void_p]),
+    "llama_ridgefill_maps_layer": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_maps_tail_default": (ctypes.c_int32, [ctypes.c_void_p]),
+    "llama_ridgefill_maps_lambda": (ctypes.c_float, [ctypes.c_void_p]),
+    "llama_ridgefill_maps_bytes": (ctypes.c_uint64, [ctypes.c_void_p]),
 }
+
+PLACEMENTS = {"resident": 0, "streamed": 1}
+
+
+class MapsRefused(ValueError):
+    """The engine refused a maps file; the message is the engine's own ("<path>: problem; problem")."""
+
+
+@dataclass
+class LoadedMaps:
+    handle: int
+    split: int
+    layers: list[int]
+    tail_default: int | None
+    lam: float | None
+    bytes: int
+
+    def free(self) -> None:
+        if self.handle:
+            _bound().llama_ridgefill_maps_free(self.handle)
+            self.handle = 0
+
+
+def load_maps(model, path, placement: str = "resident") -> LoadedMaps:
+    """Load a maps GGUF for a loaded model (llama_model pointer); refused files raise MapsRefused."""
+    lib = _bound()
+    handle = lib.llama_ridgefill_maps_load(model, str(path).encode(), PLACEMENTS[placement])
+    if not handle:
+        raise MapsRefused(lib.llama_ridgefill_last_error().decode())
+    n = lib.llama_ridgefill_maps_n_layers(handle)
+    tail, lam = lib.llama_ridgefill_maps_tail_default(handle), lib.llama_ridgefill_maps_lambda(handle)
+    return LoadedMaps(handle, lib.llama_ridgefill_maps_split(handle),
+                      [lib.llama_ridgefill_maps_layer(handle, i) for i in range(n)],
+                      None if tail < 0 else tail, None if lam < 0 else lam, lib.llama_ridgefill_maps_bytes(handle))
 
 
 def _bound() -> ctypes.CDLL:
