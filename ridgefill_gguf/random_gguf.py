@@ -121,6 +121,16 @@ def tiny_shape(arch: str) -> ModelShape:
     raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
 
 
+# Real models' shapes, for timing (speed does not depend on the weights' values). Sources: the models'
+# config.json (hidden_size, intermediate_size, num_hidden_layers, heads, head_dim, vocab_size, rope_theta).
+REAL_SHAPES = {
+    "qwen3-8b": ModelShape("qwen3", n_layer=36, n_embd=4096, n_ff=12288, n_head=32, n_head_kv=8, head_dim=128,
+                           n_ctx_train=40960, rope_theta=1000000.0, rms_eps=1e-6, n_vocab=151936),
+    "llama-3.1-8b": ModelShape("llama", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, head_dim=128,
+                               n_ctx_train=131072, rope_theta=500000.0, rms_eps=1e-5, n_vocab=128256),
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # tensor layout
 
@@ -354,7 +364,8 @@ def write_random_model(path: str | Path, shape: ModelShape, *, vocab: str | Path
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ridgefill_gguf.random_gguf",
                                 description="Write a small random-weight GGUF with a real llama.cpp tokenizer.")
-    p.add_argument("--arch", required=True, choices=SUPPORTED_ARCHS)
+    p.add_argument("--arch", choices=SUPPORTED_ARCHS, help="a tiny model of this architecture")
+    p.add_argument("--preset", choices=tuple(REAL_SHAPES), help="a real model's shape (random weights)")
     p.add_argument("-o", "--output", required=True, type=Path)
     p.add_argument("--dtype", default="f32", choices=tuple(DTYPES))
     p.add_argument("--seed", type=int, default=0)
@@ -362,8 +373,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--embd", type=int, help="embedding width (default: the tiny preset's)")
     p.add_argument("--vocab", type=Path, help="vocab GGUF to copy the tokenizer from")
     a = p.parse_args(argv)
+    if bool(a.arch) == bool(a.preset):
+        p.error("give exactly one of --arch and --preset")
 
-    shape = tiny_shape(a.arch)
+    shape = REAL_SHAPES[a.preset] if a.preset else tiny_shape(a.arch)
     if a.layers is not None:
         shape = dataclasses.replace(shape, n_layer=a.layers)
     if a.embd is not None:

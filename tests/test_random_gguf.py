@@ -211,3 +211,15 @@ def test_command_line_writes_the_requested_model_and_says_what_it_wrote(tmp_path
     meta = read_gguf_metadata(out)
     assert meta["qwen3.block_count"][1] == 3 and meta["qwen3.embedding_length"][1] == 128
     assert meta["general.file_type"][1] == gguf.LlamaFileType.MOSTLY_F16
+
+
+def test_real_model_presets_have_the_published_parameter_counts():
+    import math
+
+    from ridgefill_gguf.random_gguf import REAL_SHAPES, tensor_specs
+
+    published = {"qwen3-8b": 8.19e9, "llama-3.1-8b": 8.03e9}
+    for key, shape in REAL_SHAPES.items():
+        shape.validate()
+        n = sum(math.prod(t.shape) for t in tensor_specs(shape, shape.n_vocab))
+        assert abs(n - published[key]) / published[key] < 0.01, (key, n)

@@ -36,10 +36,12 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--n-gpu-layers", type=int, default=0, help="-1: every layer on the GPU")
     ap.add_argument("--results", type=Path, default=ROOT / "results" / "capture")
     args = ap.parse_args()
 
-    cap = Capturer(args.model, min(args.splits), n_ctx=args.tokens, n_threads=args.threads)
+    cap = Capturer(args.model, min(args.splits), n_ctx=args.tokens, n_threads=args.threads,
+                   n_gpu_layers=args.n_gpu_layers)
     docs = [d for _, d in zip(range(args.docs), iter_documents(args.text))]
     d, L = cap.n_embd, cap.n_layer
     sums = {s: SplitSums(s, list(range(s + 1, L)), d, d) for s in args.splits}
