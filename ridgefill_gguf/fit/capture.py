@@ -78,7 +78,7 @@ class Capturer:
     """One llama.cpp context with capture on for the given layers (an int: that layer and all above it)."""
 
     def __init__(self, model_path: str | Path, layers: int | list[int], *, n_ctx: int = 4096, n_batch: int = 512,
-                 n_threads: int | None = None, n_gpu_layers: int = 0):
+                 n_threads: int | None = None, n_gpu_layers: int = 0, **llama_kwargs):
         from .. import libs
         from ..engine import bindings
 
@@ -86,7 +86,7 @@ class Capturer:
         self.llama_cpp = libs.use_build("ridgefill")
         self.llm = self.llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                         n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=n_gpu_layers,
-                                        logits_all=False, verbose=False)
+                                        logits_all=False, verbose=False, **llama_kwargs)
         self.ctx, self.model = self.llm.ctx, self.llm.model
         if not bindings.arch_supported(self.model):
             arch = self.llm.metadata.get("general.architecture", "?")
