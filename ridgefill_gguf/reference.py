@@ -83,25 +83,32 @@ class ReferenceModel:
         b = self.w(name + ".bias")
         return y if b is None else y + b
 
-    def attention(self, layer: int, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def attention(self, layer: int, h: np.ndarray, pos: np.ndarray, queries: np.ndarray | None = None,
+                  visible: np.ndarray | None = None) -> np.ndarray:
+        """Causal attention of the `queries` rows (default: all) over the `visible` rows (default: all) of h,
+        the normalized inputs of every row; returns the attention output of the query rows."""
         hp, p = self.hp, f"blk.{layer}."
         n = len(h)
-        q = self.linear(h, p + "attn_q").reshape(n, hp.n_head, hp.head_dim)
+        queries = np.arange(n) if queries is None else queries
+        q = self.linear(h[queries], p + "attn_q").reshape(len(queries), hp.n_head, hp.head_dim)
         k = self.linear(h, p + "attn_k").reshape(n, hp.n_head_kv, hp.head_dim)
         v = self.linear(h, p + "attn_v").reshape(n, hp.n_head_kv, hp.head_dim)
         if self.w(p + "attn_q_norm.weight") is not None:
             q, k = self.rms(q, self.w(p + "attn_q_norm.weight")), self.rms(k, self.w(p + "attn_k_norm.weight"))
-        q, k = self.rope(q, pos), self.rope(k, pos)
+        q, k = self.rope(q, pos[queries]), self.rope(k, pos)
         group = hp.n_head // hp.n_head_kv
-        mask = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
-        out = np.empty((n, hp.n_head, hp.head_dim), np.float32)
+        allowed = pos[None, :] <= pos[queries][:, None]
+        if visible is not None:
+            allowed &= visible[None, :] | (np.arange(n)[None, :] == queries[:, None])
+        mask = np.where(allowed, np.float32(0), np.float32(-np.inf))
+        out = np.empty((len(queries), hp.n_head, hp.head_dim), np.float32)
         scale = np.float32(1.0 / np.sqrt(hp.head_dim))
         for head in range(hp.n_head):
             kv = head // group
             s = (q[:, head] @ k[:, kv].T) * scale + mask
             s = np.exp(s - s.max(axis=1, keepdims=True))
             out[:, head] = (s / s.sum(axis=1, keepdims=True)) @ v[:, kv]
-        return self.linear(out.reshape(n, -1), p + "attn_output")
+        return self.linear(out.reshape(len(queries), -1), p + "attn_output")
 
     def ffn(self, layer: int, h: np.ndarray) -> np.ndarray:
         p = f"blk.{layer}."
@@ -116,6 +123,54 @@ class ReferenceModel:
         x = x + self.attention(layer, self.rms(x, self.w(p + "attn_norm.weight")), pos)
         return x + self.ffn(layer, self.rms(x, self.w(p + "ffn_norm.weight")))
 
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        out = self.w("output.weight")
+        out = self.w("token_embd.weight") if out is None else out
+        return self.rms(x, self.w("output_norm.weight")) @ out.T
+
+    def ridgefill_forward(self, tokens: list[int], split: int, tail: int, fill: str = "ridge",
+                          maps: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
+                          exact_rows: set[int] | None = None) -> np.ndarray:
+        """The RidgeFill arm (paper §2.1), row-exact: logits of the tail rows.
+
+        Layers below `split` run every row. From `split` on, prefix rows that are not exact (row 0 always is)
+        only write K/V, from a predicted input: A_l x_S + b_l (fill="ridge", l > split; layer `split` reads
+        x_S), x_S ("identity"), the true input ("oracle"), or nothing, hidden from later rows ("none").
+        The tail and the exact rows run every layer over that cache."""
+        if fill not in ("ridge", "identity", "oracle", "none"):
+            raise ValueError(f"fill must be ridge, identity, oracle or none, not {fill!r}")
+        n = len(tokens)
+        pos = np.arange(n)
+        exact = np.zeros(n, bool)
+        exact[max(n - tail, 0):] = True
+        exact[0] = True
+        for r in exact_rows or ():
+            exact[r] = True
+        truth = self.forward(tokens)[1] if fill == "oracle" else None
+        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        for layer in range(split):
+            x = self.layer(layer, x, pos)
+        x_split = x
+        rows = np.flatnonzero(exact)
+        for layer in range(split, self.hp.n_layer):
+            inp = x.copy()  # exact rows carry their own stream; filled rows get the prediction
+            filled = ~exact
+            if fill == "ridge" and layer > split:
+                a, b = maps[layer]
+                inp[filled] = x_split[filled] @ a.T + b
+            elif fill in ("ridge", "identity"):
+                inp[filled] = x_split[filled]
+            elif fill == "oracle":
+                inp[filled] = truth[layer][filled]
+            p = f"blk.{layer}."
+            h = self.rms(inp, self.w(p + "attn_norm.weight"))
+            visible = exact if fill == "none" else None
+            att = self.attention(layer, h, pos, queries=rows, visible=visible)
+            y = x[rows] + att
+            x = x.copy()
+            x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
+        return self.logits(x[max(n - tail, 0):])
+
     def forward(self, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """(logits [n, n_vocab], every layer's input [n, d]) for one sequence from position 0."""
         pos = np.arange(len(tokens))
@@ -124,6 +179,4 @@ class ReferenceModel:
         for layer in range(self.hp.n_layer):
             inputs.append(x)
             x = self.layer(layer, x, pos)
-        out = self.w("output.weight")
-        out = self.w("token_embd.weight") if out is None else out
-        return self.rms(x, self.w("output_norm.weight")) @ out.T, inputs
+        return self.logits(x), inputs

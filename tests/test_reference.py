@@ -58,3 +58,24 @@ print(json.dumps(tokens))
         for layer, ref in enumerate(inputs):
             got = captured[str(layer)]
             assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, layer
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_reference_ridgefill_arm_reduces_to_the_exact_model_where_it_must(arch, tiny_models):
+    ref = ReferenceModel(tiny_models[arch])
+    tokens = list(range(100, 160))
+    exact, _ = ref.forward(tokens)
+    tail = exact[-16:]
+    # the oracle fill writes the true K/V: the tail sees the exact cache
+    assert np.abs(ref.ridgefill_forward(tokens, 1, 16, "oracle") - tail).max() < 1e-4
+    # every prefix row exact: nothing is filled
+    every = set(range(len(tokens)))
+    assert np.abs(ref.ridgefill_forward(tokens, 1, 16, "none", exact_rows=every) - tail).max() < 1e-4
+    # a split at the last layer leaves only that layer to fill, from x_S, its true input
+    assert np.abs(ref.ridgefill_forward(tokens, ref.hp.n_layer - 1, 16, "identity") - tail).max() < 1e-4
+    # a real fill changes the tail's logits, and hiding the prefix changes them more
+    d = ref.hp.n_embd
+    maps = {layer: (np.eye(d, dtype=np.float32) * 0.9, np.zeros(d, np.float32)) for layer in range(ref.hp.n_layer)}
+    ridge = ref.ridgefill_forward(tokens, 1, 16, "ridge", maps)
+    none = ref.ridgefill_forward(tokens, 1, 16, "none")
+    assert 0 < np.abs(ridge - tail).max() and 0 < np.abs(none - tail).max()
