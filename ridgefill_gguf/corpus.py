@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -56,8 +57,6 @@ def default_corpus(folder: Path | None = None, log=print) -> Path:
         folder.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, folder)
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"corpus: default corpus ready in {folder}")
