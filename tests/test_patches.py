@@ -13,7 +13,9 @@ VENDOR = ROOT / "vendor" / "llama.cpp"
 
 
 def git(repo, *args) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "commit.gpgsign=false", *args], check=True, text=True,
+    # an identity of our own: a fresh machine may have no git user configured
+    return subprocess.run(["git", "-C", str(repo), "-c", "commit.gpgsign=false", "-c", "user.name=ridgefill tests",
+                           "-c", "user.email=tests@ridgefill-gguf.invalid", *args], check=True, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE).stdout.strip()
 
 
