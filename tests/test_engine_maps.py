@@ -23,7 +23,7 @@ for path in sys.argv[2:]:
         try:
             m = bindings.load_maps(llm.model, path, placement)
             out[f"{path}|{placement}"] = {"split": m.split, "layers": m.layers, "tail": m.tail_default,
-                                          "lam": m.lam, "bytes": m.bytes}
+                                          "lam": m.lam, "bytes": m.bytes, "warnings": m.warnings}
             m.free()
         except bindings.MapsRefused as e:
             out[f"{path}|{placement}"] = {"refused": str(e)}
@@ -68,6 +68,21 @@ def test_the_engine_loads_maps_resident_and_streamed(maps_files):
             got = out[f"{files[key]}|{placement}"]
             assert got.get("split") == 1 and got["layers"] == [1] and got["bytes"] > 0, got
             assert got["tail"] == 1024 and abs(got["lam"] - 0.01) < 1e-6
+            assert got["warnings"] == ""  # the engine's vocabulary hash equals the one convert wrote
+
+
+def test_a_vocabulary_mismatch_is_a_warning_with_verify_s_words_not_a_refusal(maps_files, tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.paths import vendor_dir
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    model, files = maps_files
+    other = write_random_model(tmp_path / "qwen3-llama-vocab.gguf", tiny_shape("qwen3"),
+                               vocab=vendor_dir() / "models" / "ggml-vocab-llama-bpe.gguf", seed=2)
+    got = engine_load(other, [files["good"]])[f"{files['good']}|resident"]
+    expected = fmt.check_maps(read_gguf(files["good"]), fmt.model_fingerprint(other))
+    assert expected.ok and expected.warnings and got.get("layers") == [1]
+    assert got["warnings"] == "; ".join(expected.warnings)
 
 
 @pytest.mark.parametrize("kind", ["too_wide", "beyond", "other_arch"])

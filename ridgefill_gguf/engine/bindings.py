@@ -50,6 +50,7 @@ _SIGNATURES = {
     "llama_ridgefill_maps_tail_default": (ctypes.c_int32, [ctypes.c_void_p]),
     "llama_ridgefill_maps_lambda": (ctypes.c_float, [ctypes.c_void_p]),
     "llama_ridgefill_maps_bytes": (ctypes.c_uint64, [ctypes.c_void_p]),
+    "llama_ridgefill_maps_warnings": (ctypes.c_char_p, [ctypes.c_void_p]),
 }
 
 PLACEMENTS = {"resident": 0, "streamed": 1}
@@ -67,6 +68,7 @@ class LoadedMaps:
     tail_default: int | None
     lam: float | None
     bytes: int
+    warnings: str
 
     def free(self) -> None:
         if self.handle:
@@ -84,7 +86,8 @@ def load_maps(model, path, placement: str = "resident") -> LoadedMaps:
     tail, lam = lib.llama_ridgefill_maps_tail_default(handle), lib.llama_ridgefill_maps_lambda(handle)
     return LoadedMaps(handle, lib.llama_ridgefill_maps_split(handle),
                       [lib.llama_ridgefill_maps_layer(handle, i) for i in range(n)],
-                      None if tail < 0 else tail, None if lam < 0 else lam, lib.llama_ridgefill_maps_bytes(handle))
+                      None if tail < 0 else tail, None if lam < 0 else lam, lib.llama_ridgefill_maps_bytes(handle),
+                      lib.llama_ridgefill_maps_warnings(handle).decode())
 
 
 def _bound() -> ctypes.CDLL:
