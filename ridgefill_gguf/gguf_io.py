@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
 
 VT = GGUFValueType
 _SCALARS = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I", VT.INT32: "i",
@@ -155,3 +156,17 @@ def _parse(path: Path, buf: mmap.mmap, size: int, skip_arrays: tuple[str, ...]) 
                                   f"the file has {size}")
         tensors[name] = TensorInfo(name, ne, qtype, data_offset + rel, nbytes)
     return GGUFFile(path, version, fields, tensors, data_offset, size)
+
+
+def tensor_f32(g: GGUFFile, name: str) -> np.ndarray:
+    """A tensor as float32 in numpy order (the reverse of ggml's ne), dequantized where it must be."""
+    info = g.tensors[name]
+    raw = g.raw(name)
+    if info.type == GGMLQuantizationType.F32:
+        arr = raw.view(np.float32)
+    elif info.type == GGMLQuantizationType.F16:
+        arr = raw.view(np.float16).astype(np.float32)
+    else:
+        rows = int(np.prod(info.ne[1:])) if len(info.ne) > 1 else 1
+        arr = dequantize(np.asarray(raw).reshape(rows, -1), info.type)
+    return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed(info.ne)))

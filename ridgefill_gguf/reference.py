@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fit.score import tensor_f32
-from .gguf_io import read_gguf
+from .gguf_io import read_gguf, tensor_f32
 
 NEOX_ARCHS = ("qwen2", "qwen3")
 SUPPORTED = ("llama", "qwen2", "qwen3")

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize
 
-from ..gguf_io import GGUFFile, read_gguf
+from ..gguf_io import read_gguf, tensor_f32
 
 
 def rows_cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -23,19 +21,6 @@ def rows_cosine(a: np.ndarray, b: np.ndarray) -> float:
     num = (a * b).sum(axis=1)
     den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
     return float(np.mean(num / np.maximum(den, 1e-30)))
-
-
-def tensor_f32(g: GGUFFile, name: str) -> np.ndarray:
-    info = g.tensors[name]
-    raw = g.raw(name)
-    if info.type == QT.F32:
-        arr = raw.view(np.float32)
-    elif info.type == QT.F16:
-        arr = raw.view(np.float16).astype(np.float32)
-    else:
-        rows = int(np.prod(info.ne[1:])) if len(info.ne) > 1 else 1
-        arr = dequantize(np.asarray(raw).reshape(rows, -1), info.type)
-    return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed(info.ne)))
 
 
 @dataclass

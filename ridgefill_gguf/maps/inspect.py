@@ -4,27 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
+from ..gguf_io import tensor_f32
 from . import format as fmt
-from .quant import bf16_to_f32, dequantize_q8_0
-
-
-def weight_f32(g, layer: int) -> np.ndarray:
-    info = g.tensors[fmt.weight_name(layer)]
-    d_in, d_out = info.ne
-    raw = g.raw(info.name)
-    if info.type == QT.Q8_0:
-        return dequantize_q8_0(raw.reshape(d_out, -1), d_in)
-    if info.type == QT.BF16:
-        return bf16_to_f32(raw.view(np.uint16)).reshape(d_out, d_in)
-    if info.type == QT.F16:
-        return raw.view(np.float16).astype(np.float32).reshape(d_out, d_in)
-    return np.asarray(raw.view(np.float32)).reshape(d_out, d_in)
-
-
-def bias_f32(g, layer: int) -> np.ndarray:
-    return np.asarray(g.raw(fmt.bias_name(layer)).view(np.float32))
 
 
 def inspect_maps(path: str | Path, stats: bool = True) -> dict:
@@ -39,7 +21,7 @@ def inspect_maps(path: str | Path, stats: bool = True) -> dict:
         row = {"layer": layer, "type": w.type.name, "d_in": int(w.ne[0]), "d_out": int(w.ne[1]) if len(w.ne) > 1 else 0,
                "bytes": w.nbytes + (g.tensors[fmt.bias_name(layer)].nbytes if fmt.bias_name(layer) in g.tensors else 0)}
         if stats and problems.ok:
-            a, b = weight_f32(g, layer), bias_f32(g, layer)
+            a, b = tensor_f32(g, fmt.weight_name(layer)), tensor_f32(g, fmt.bias_name(layer))
             row.update(weight_norm=float(np.linalg.norm(a)), weight_max_abs=float(np.abs(a).max()),
                        bias_norm=float(np.linalg.norm(b)),
                        # distance from the identity: how much the map does beyond copying x_S

@@ -39,20 +39,6 @@ def pack_q8_0(d: np.ndarray, q: np.ndarray) -> np.ndarray:
     return out.reshape(n, nb * BLOCK_BYTES)
 
 
-def unpack_q8_0(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q8_0 bytes [n, k/32*34] -> (f16 scales [n, nb], int8 codes [n, nb, 32])."""
-    n = raw.shape[0]
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK8_0, BLOCK_BYTES)
-    d = np.ascontiguousarray(blocks[..., :2]).view("<f2")[..., 0]
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
-    return d, q
-
-
-def dequantize_q8_0(raw: np.ndarray, k: int) -> np.ndarray:
-    d, q = unpack_q8_0(raw, k)
-    return (q.astype(np.float32) * d.astype(np.float32)[..., None]).reshape(raw.shape[0], k)
-
-
 def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> float32, exactly."""
     return (np.asarray(u16, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
