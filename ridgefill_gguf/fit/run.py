@@ -145,19 +145,20 @@ def capture_heldout(cap: Capturer, docs, opts: FitOptions, log) -> HeldOut:
 
 
 def evaluate(ss: SplitSums, heldout: HeldOut, proj: CacheProjector, lambdas, log) -> dict:
-    """Scores per λ and per layer, the identity's scores, and the chosen λ (best mean cache cosine)."""
+    """Scores per λ and per layer, the identity's scores, the chosen λ (best mean cache cosine) and its maps."""
     x = heldout.x[ss.split]
     ident = {layer: score_layer(proj, layer, x, heldout.y[ss.split][layer]) for layer in ss.layers}
-    grid = {}
+    grid, best, best_mean, best_solution = {}, None, -np.inf, None
     for lam in lambdas:
         sol = solve(ss, lam)
         scores = {layer: score_layer(proj, layer, x @ s.weight.T + s.bias, heldout.y[ss.split][layer])
                   for layer, s in sol.items()}
         grid[lam] = scores
-        log(f"fit: split {ss.split}, lambda {lam:.4g}: mean cache cosine "
-            f"{np.mean([s.cache_cos for s in scores.values()]):.4f}")
-    best = max(lambdas, key=lambda lam: np.mean([s.cache_cos for s in grid[lam].values()]))
-    return {"grid": grid, "identity": ident, "best": best}
+        mean = float(np.mean([s.cache_cos for s in scores.values()]))
+        log(f"fit: split {ss.split}, lambda {lam:.4g}: mean cache cosine {mean:.4f}")
+        if mean > best_mean:  # the first of equal scores wins, as max() would pick
+            best, best_mean, best_solution = lam, mean, sol
+    return {"grid": grid, "identity": ident, "best": best, "solution": best_solution}
 
 
 def corpus_sha256(doc_ids: list[str]) -> str:
@@ -169,11 +170,12 @@ def output_path(out: Path, split: int, n_splits: int) -> Path:
 
 
 def write_split_maps(out: Path, model_fp: fmt.ModelFingerprint, ss: SplitSums, lam: float, state: CaptureState,
-                     opts: FitOptions, force: bool, name: str | None = None) -> Path:
-    sol = solve(ss, lam)
+                     opts: FitOptions, force: bool, solution: dict | None = None) -> Path:
+    """Maps at λ; `solution` is that λ's solve when the caller has it already."""
+    sol = solution or solve(ss, lam)
     qtype = fmt.WEIGHT_TYPES[opts.outtype]
     meta = fmt.MapsMeta(architecture=model_fp.architecture, split=ss.split, layers=ss.layers, lam=lam,
-                        tail_default=opts.tail_default, name=name or f"RidgeFill maps, split {ss.split}",
+                        tail_default=opts.tail_default, name=f"RidgeFill maps, split {ss.split}",
                         fit_rows=ss.n, fit_corpus_sha256=corpus_sha256(state.done_docs),
                         model_n_layer=model_fp.n_layer, model_n_embd=model_fp.n_embd,
                         model_vocab_sha256=model_fp.vocab_sha256)
@@ -263,7 +265,7 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
         t0 = time.perf_counter()
         ev = evaluate(ss, heldout_rows, proj, opts.lambdas, log)
         t_solve = time.perf_counter() - t0
-        write_split_maps(o, model_fp, ss, ev["best"], state, opts, force)
+        write_split_maps(o, model_fp, ss, ev["best"], state, opts, force, ev["solution"])
         report["splits"][s] = split_report(ss, ev, o, t_solve)
         log(f"fit: split {s}: lambda {ev['best']:.4g}, wrote {o}")
     report["seconds"] = time.perf_counter() - t_start
@@ -296,9 +298,10 @@ def resolve(sums_path: Path, model: Path, out: Path, *, lam: float | None, lambd
     written = {}
     for s in splits:
         ss = state.splits[s]
-        chosen = lam if lam is not None else evaluate(ss, held, proj, lambdas or DEFAULT_LAMBDAS, log)["best"]
+        ev = {"best": lam, "solution": None} if lam is not None else \
+            evaluate(ss, held, proj, lambdas or DEFAULT_LAMBDAS, log)
         o = output_path(out, s, len(splits))
-        written[s] = (write_split_maps(o, model_fp, ss, chosen, state, opts, force), chosen)
+        written[s] = (write_split_maps(o, model_fp, ss, ev["best"], state, opts, force, ev["solution"]), ev["best"])
     return written
 
 
