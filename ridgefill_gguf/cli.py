@@ -6,6 +6,7 @@ issues that build them; until then they do not exist rather than pretend.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -58,21 +59,28 @@ def models_cmd(names: tuple[str, ...], folder: Path | None) -> None:
 @main.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--prompt", "prompts", multiple=True, help="a prompt (repeatable; default: three built-in prompts)")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a file of prompts, separated by lines holding only '---'")
+@click.option("--maps", type=click.Path(exists=True, dir_okay=False),
+              help="also load and attach these RidgeFill maps in the patched build (RidgeFill stays off)")
 @click.option("--n-ctx", default=2048, show_default=True)
 @click.option("--decode-steps", default=4, show_default=True, help="greedy single-token steps after each prompt")
 @click.option("--n-gpu-layers", "-ngl", default=0, show_default=True, help="layers on the GPU (-1: all; CUDA builds)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write the report as JSON")
 @click.option("--markdown", "md_out", type=click.Path(dir_okay=False, path_type=Path), help="write a Markdown table")
-def equivalence(model: str, prompts: tuple[str, ...], n_ctx: int, decode_steps: int, n_gpu_layers: int,
-                json_out: Path | None, md_out: Path | None) -> None:
+def equivalence(model: str, prompts: tuple[str, ...], prompts_file: Path | None, maps: str | None, n_ctx: int,
+                decode_steps: int, n_gpu_layers: int, json_out: Path | None, md_out: Path | None) -> None:
     """Check that the patched build (RidgeFill off) gives logits byte-identical to upstream on MODEL.
 
     Runs several batch geometries and both attention kernels; exit status 1 when any byte differs."""
     from . import equivalence as eq
     from .util import write_atomic
 
-    report = eq.check(model, list(prompts) or None, n_ctx=n_ctx, decode_steps=decode_steps,
-                      n_gpu_layers=n_gpu_layers)
+    prompts = list(prompts)
+    if prompts_file:
+        prompts += [p.strip("\n") for p in re.split(r"(?m)^---$", prompts_file.read_text()) if p.strip()]
+    report = eq.check(model, prompts or None, n_ctx=n_ctx, decode_steps=decode_steps,
+                      n_gpu_layers=n_gpu_layers, maps=maps)
     if json_out:
         write_atomic(json_out, json.dumps(report, indent=2) + "\n")
     if md_out:
@@ -81,7 +89,10 @@ def equivalence(model: str, prompts: tuple[str, ...], n_ctx: int, decode_steps: 
     click.echo(f"{report['n_arrays']} arrays ({report['n_logits']} logits) compared: "
                + ("byte-identical" if not bad else f"{len(bad)} differ"))
     for r in bad:
-        click.echo(f"  DIFFERENT {r['key']}: max |diff| {r['max_abs_diff']:.3g}, {r['n_diff']} values")
+        case, prompt, phase = r["key"].split("/")
+        where = "position" if phase == "prompt" else "decode step"
+        click.echo(f"  DIFFERENT {case}, prompt {prompt}, {where} {r['first_row']}: "
+                   f"max |diff| {r['max_abs_diff']:.3g}, {r['n_diff']} values")
     sys.exit(0 if not bad else 1)
 
 

@@ -34,6 +34,7 @@ class Mismatch:
     shape: tuple
     max_abs_diff: float
     n_diff: int
+    first_row: int | None = None  # the first row (prompt position or decode step) with a differing byte
 
 
 def run_dump(build: str, spec: DumpSpec, workdir: Path, env: dict | None = None) -> dict[str, np.ndarray]:
@@ -59,23 +60,27 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[Mismatch
         same = x.shape == y.shape and x.tobytes() == y.tobytes()
         if x.shape == y.shape and x.dtype.kind == "f" and x.size:
             diff = np.abs(x.astype(np.float64) - y.astype(np.float64))
-            max_diff, n_diff = float(np.nanmax(diff)), int(np.count_nonzero(x.view(np.uint32) != y.view(np.uint32)))
+            differs = x.view(np.uint32) != y.view(np.uint32)
+            max_diff, n_diff = float(np.nanmax(diff)), int(np.count_nonzero(differs))
+            first = int(np.argmax(differs.reshape(len(x), -1).any(1))) if n_diff else None
         else:
-            max_diff, n_diff = (0.0, 0) if same else (float("inf"), -1)
-        rows.append(Mismatch(key, same, tuple(x.shape), max_diff, n_diff))
+            max_diff, n_diff, first = (0.0, 0, None) if same else (float("inf"), -1, 0)
+        rows.append(Mismatch(key, same, tuple(x.shape), max_diff, n_diff, first))
     return rows
 
 
 def check(model: str | Path, prompts: list[str] | None = None, cases: list[Case] | None = None,
           builds: tuple[str, str] = ("upstream", "ridgefill"), n_ctx: int = 2048, decode_steps: int = 4,
-          n_threads: int = 2, n_gpu_layers: int = 0) -> dict:
+          n_threads: int = 2, n_gpu_layers: int = 0, maps: str | Path | None = None) -> dict:
     spec = DumpSpec(model=str(model), prompts=prompts or DEFAULT_PROMPTS, cases=cases or DEFAULT_CASES,
-                    n_ctx=n_ctx, n_threads=n_threads, decode_steps=decode_steps, n_gpu_layers=n_gpu_layers)
+                    n_ctx=n_ctx, n_threads=n_threads, decode_steps=decode_steps, n_gpu_layers=n_gpu_layers,
+                    maps=str(maps) if maps else None)
     with tempfile.TemporaryDirectory() as tmp:
         dumps = [run_dump(b, spec, Path(tmp)) for b in builds]
     rows = compare(*dumps)
     return {
         "model": str(model),
+        "maps": str(maps) if maps else None,
         "builds": list(builds),
         "identical": all(r.identical for r in rows),
         "n_arrays": len(rows),

@@ -36,6 +36,7 @@ class DumpSpec:
     n_threads: int = 2
     decode_steps: int = 4
     n_gpu_layers: int = 0  # -1: every layer on the GPU (CUDA builds)
+    maps: str | None = None  # RidgeFill builds: load these maps and attach them (RidgeFill stays off)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -58,6 +59,11 @@ def dump(build: str, spec: DumpSpec) -> dict[str, np.ndarray]:
                               n_ubatch=case.n_ubatch, n_threads=spec.n_threads, n_threads_batch=spec.n_threads,
                               flash_attn=case.flash_attn, n_gpu_layers=spec.n_gpu_layers,
                               logits_all=True, seed=0, verbose=False)
+        maps = None
+        if spec.maps and build != "upstream":
+            from .engine import bindings
+            maps = bindings.load_maps(llm.model, spec.maps)
+            bindings.attach(llm.ctx, maps)
         for i, prompt in enumerate(spec.prompts):
             llm.reset()
             tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
@@ -72,6 +78,9 @@ def dump(build: str, spec: DumpSpec) -> dict[str, np.ndarray]:
                 steps.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
             out[f"{case.name}/{i}/decode"] = np.stack(steps) if steps else np.zeros((0,), np.float32)
             out[f"{case.name}/{i}/tokens"] = np.array(tokens, dtype=np.int32)
+        if maps:
+            bindings.attach(llm.ctx, None)
+            maps.free()
         llm.close()
     return out
 

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import BUILDS, ROOT, require_builds, run_py
 from ridgefill_gguf import equivalence, models
+from ridgefill_gguf.engine import bindings
 from ridgefill_gguf.logits import Case
 
 TARGETS = ("libllama.so", "libggml.so", "libggml-base.so", "llama-server", "llama-cli", "llama-perplexity")
@@ -37,7 +38,7 @@ def test_the_patched_library_has_the_ridgefill_api_and_upstream_has_none():
              "print(json.dumps([ok, bindings.load().build_info if ok else None]))")
     patched = json.loads(run_py(probe, "ridgefill").stdout.strip().splitlines()[-1])
     upstream = json.loads(run_py(probe, "upstream").stdout.strip().splitlines()[-1])
-    assert patched[0] is True and patched[1].startswith("ridgefill api 1")
+    assert patched[0] is True and patched[1].startswith(f"ridgefill api {bindings.API_VERSION} ")
     assert upstream == [False, None]
 
 

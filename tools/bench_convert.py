@@ -32,8 +32,16 @@ def hardware() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_kib / 2**20, 1), "host": platform.node(),
-            "python": platform.python_version()}
+    out = {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_kib / 2**20, 1), "host": platform.node(),
+           "python": platform.python_version()}
+    try:  # the GPU, where there is one
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        if gpu:
+            out["gpu"] = gpu
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return out
 
 
 def run_once(cmd: list[str]) -> tuple[float, int]:

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 1
+API_VERSION = 2
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -51,9 +51,38 @@ _SIGNATURES = {
     "llama_ridgefill_maps_lambda": (ctypes.c_float, [ctypes.c_void_p]),
     "llama_ridgefill_maps_bytes": (ctypes.c_uint64, [ctypes.c_void_p]),
     "llama_ridgefill_maps_warnings": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "llama_ridgefill_attach": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_void_p]),
+    "llama_ridgefill_set_tail": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_set_fill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int]),
+    "llama_ridgefill_set_exact_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "llama_ridgefill_set_exact_random": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32]),
+    "llama_ridgefill_set_chunk": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_set_min_prefix": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                                                 ctypes.c_int32, ctypes.c_int32]),
 }
 
 PLACEMENTS = {"resident": 0, "streamed": 1}
+# the production arms, then the two checks of the correctness ladder
+FILLS = {"ridge": 0, "identity": 1, "none": 2, "plumb": 3, "oracle": 4}
+
+
+class Stats(ctypes.Structure):
+    """struct llama_ridgefill_stats"""
+    _fields_ = [("applied", ctypes.c_int32), ("split", ctypes.c_int32), ("n_rows", ctypes.c_int32),
+                ("n_filled", ctypes.c_int32), ("n_exact", ctypes.c_int32), ("n_special", ctypes.c_int32),
+                ("n_tail", ctypes.c_int32), ("t_early_ms", ctypes.c_double), ("t_fill_ms", ctypes.c_double),
+                ("t_exact_ms", ctypes.c_double), ("t_total_ms", ctypes.c_double)]
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+_SIGNATURES["llama_ridgefill_get_stats"] = (None, [ctypes.c_void_p, ctypes.POINTER(Stats)])
+
+
+class PrefillError(RuntimeError):
+    pass
 
 
 class MapsRefused(ValueError):
@@ -90,6 +119,61 @@ def load_maps(model, path, placement: str = "resident") -> LoadedMaps:
                       lib.llama_ridgefill_maps_warnings(handle).decode())
 
 
+def attach(ctx, maps: LoadedMaps | None) -> None:
+    """Attach loaded maps to a context (None detaches); the maps must stay loaded while attached."""
+    lib = _prefill_lib()
+    if lib.llama_ridgefill_attach(ctx, maps.handle if maps else None) != 0:
+        raise RidgeFillUnavailable(lib.llama_ridgefill_last_error().decode())
+
+
+def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_rows: list[int] | None = None,
+              exact_random: tuple[int, int] | None = None, chunk: int | None = None,
+              min_prefix: int | None = None) -> None:
+    """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
+    lib = _prefill_lib()
+    calls = []
+    if tail is not None:
+        calls.append(("tail", lib.llama_ridgefill_set_tail(ctx, tail)))
+    if fill is not None:
+        if fill not in FILLS:
+            raise ValueError(f"fill must be one of {', '.join(FILLS)}, not {fill!r}")
+        calls.append(("fill", lib.llama_ridgefill_set_fill(ctx, FILLS[fill])))
+    if exact_rows is not None:
+        arr = (ctypes.c_int32 * len(exact_rows))(*exact_rows)
+        calls.append(("exact_rows", lib.llama_ridgefill_set_exact_rows(ctx, arr, len(exact_rows))))
+    if exact_random is not None:
+        calls.append(("exact_random", lib.llama_ridgefill_set_exact_random(ctx, *exact_random)))
+    if chunk is not None:
+        calls.append(("chunk", lib.llama_ridgefill_set_chunk(ctx, chunk)))
+    if min_prefix is not None:
+        calls.append(("min_prefix", lib.llama_ridgefill_set_min_prefix(ctx, min_prefix)))
+    for name, rc in calls:
+        if rc != 0:
+            err = lib.llama_ridgefill_last_error().decode()
+            raise ValueError(f"RidgeFill parameter {name} refused" + (f": {err}" if err else ""))
+
+
+def prefill(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0) -> bool:
+    """Prefill tokens into sequence seq with RidgeFill. True when RidgeFill ran; False when the request did not
+    qualify and nothing was done (decode the tokens the stock way). Raises PrefillError on failure."""
+    lib = _prefill_lib()
+    arr = (ctypes.c_int32 * len(tokens))(*tokens)
+    rc = lib.llama_ridgefill_prefill(ctx, seq, arr, len(tokens), n_following)
+    if rc < 0:
+        raise PrefillError(lib.llama_ridgefill_last_error().decode())
+    return rc == 0
+
+
+def stats(ctx) -> dict:
+    out = Stats()
+    _prefill_lib().llama_ridgefill_get_stats(ctx, ctypes.byref(out))
+    return out.as_dict()
+
+
+def not_applied_reason() -> str:
+    return _bound().llama_ridgefill_last_error().decode()
+
+
 def _bound() -> ctypes.CDLL:
     lib = _lib()
     if not hasattr(lib, "llama_ridgefill_api_version"):
@@ -97,10 +181,21 @@ def _bound() -> ctypes.CDLL:
             f"the loaded libllama ({libs.loaded_lib_dir()}) has no llama_ridgefill_* API: it is not a RidgeFill build")
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name, None)
-        if fn is None:
-            raise RidgeFillUnavailable(f"libllama lacks {name}: rebuild the RidgeFill build (`make build`)")
-        fn.restype, fn.argtypes = restype, argtypes
+        if fn is not None:  # an older build lacks the newer functions: _fn() names the one that is needed
+            fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+def _prefill_lib() -> ctypes.CDLL:
+    _fn("llama_ridgefill_prefill")
+    return _bound()
+
+
+def _fn(name: str):
+    fn = getattr(_bound(), name, None)
+    if fn is None:
+        raise RidgeFillUnavailable(f"libllama lacks {name}: rebuild the RidgeFill build (`make build`)")
+    return fn
 
 
 def arch_supported(model) -> bool:

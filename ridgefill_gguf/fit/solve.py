@@ -29,6 +29,7 @@ def default_device() -> torch.device:
 
 def centered(ss: SplitSums) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(XᵀX centered, μ_S, n) in float64."""
+    ss.flush()
     if ss.n < 2:
         raise ValueError(f"split {ss.split}: {ss.n} rows, too few to fit")
     n = float(ss.n)

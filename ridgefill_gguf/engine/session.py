@@ -1,0 +1,139 @@
+"""One model in this process, prefilled the stock way or with RidgeFill, for checks, eval and benchmarks.
+
+The prompt's last token always goes through llama_decode, so both ways end in the same stock step that
+produces the logits; RidgeFill prefills the rows before it (n_following = 1: that token counts as tail).
+
+  python -m ridgefill_gguf.engine.session --build ridgefill --spec SPEC.json -o OUT.npz
+runs the runs of a JSON spec (see `run_spec`) in a process of its own, since a process loads one libllama.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class Session:
+    def __init__(self, model: str | Path, *, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512,
+                 flash_attn: bool = False, f32_cache: bool = False, n_threads: int | None = None,
+                 n_gpu_layers: int = 0, maps: str | Path | None = None, placement: str = "resident"):
+        from .. import libs
+        from . import bindings
+
+        self.llama_cpp = libs.llama_cpp_module()
+        self.lc = self.llama_cpp.llama_cpp
+        kv = dict(type_k=0, type_v=0) if f32_cache else {}
+        self.llm = self.llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                                        flash_attn=flash_attn, n_threads=n_threads, n_threads_batch=n_threads,
+                                        n_gpu_layers=n_gpu_layers, verbose=False, **kv)
+        self.ctx, self.n_batch = self.llm.ctx, n_batch
+        self.n_vocab = self.lc.llama_n_vocab(self.lc.llama_model_get_vocab(self.llm.model))
+        self.maps = bindings.load_maps(self.llm.model, maps, placement) if maps else None
+        if self.maps:
+            bindings.attach(self.ctx, self.maps)
+        self.bindings = bindings
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=add_bos, special=special)
+
+    def _decode(self, tokens: list[int], pos0: int, want_last: bool) -> None:
+        lc, n = self.lc, len(tokens)
+        batch = lc.llama_batch_init(n, 0, 1)
+        try:
+            for i, t in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = int(want_last and i == n - 1)
+            batch.n_tokens = n
+            rc = lc.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+        finally:
+            lc.llama_batch_free(batch)
+
+    def _stock_prefix(self, tokens: list[int]) -> None:
+        for start in range(0, len(tokens), self.n_batch):
+            self._decode(tokens[start:start + self.n_batch], start, False)
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self.lc.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def clear(self) -> None:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+
+    def stock(self, tokens: list[int]) -> tuple[np.ndarray, float]:
+        """(last-row logits, seconds) of a stock prefill of tokens."""
+        self.clear()
+        t0 = time.perf_counter()
+        self._stock_prefix(tokens[:-1])
+        self._decode(tokens[-1:], len(tokens) - 1, True)
+        return self._last_logits(), time.perf_counter() - t0
+
+    def ridgefill(self, tokens: list[int], **params) -> tuple[np.ndarray, float, dict]:
+        """(last-row logits, seconds, stats) of a RidgeFill prefill; params as bindings.configure takes them.
+        A request that does not qualify runs stock (stats["applied"] == 0, stats["reason"] says why)."""
+        if not self.maps:
+            raise RuntimeError("no maps: open the session with maps=")
+        self.bindings.configure(self.ctx, **params)
+        self.clear()
+        t0 = time.perf_counter()
+        applied = self.bindings.prefill(self.ctx, tokens[:-1], n_following=1)
+        reason = "" if applied else self.bindings.not_applied_reason()
+        if not applied:
+            self._stock_prefix(tokens[:-1])
+        self._decode(tokens[-1:], len(tokens) - 1, True)
+        seconds = time.perf_counter() - t0
+        stats = self.bindings.stats(self.ctx)
+        stats["reason"] = reason
+        return self._last_logits(), seconds, stats
+
+    def close(self) -> None:
+        if self.maps:
+            self.bindings.attach(self.ctx, None)
+            self.maps.free()
+            self.maps = None
+        self.llm.close()
+
+
+def run_spec(spec: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """spec: {"model", "n_ctx", "session": {Session kwargs}, "prompt": text or "tokens": [...],
+    "runs": [{"name", "stock": true} | {"name", "params": {...}}]} -> (arrays by run name, stats by run name)."""
+    sess = Session(spec["model"], n_ctx=spec["n_ctx"], **spec.get("session", {}))
+    tokens = spec.get("tokens") or sess.tokenize(spec["prompt"], special=spec.get("special", False))
+    arrays, stats = {"tokens": np.array(tokens, np.int32)}, {}
+    for run in spec["runs"]:
+        if run.get("stock"):
+            logits, seconds = sess.stock(tokens)
+            st = {"applied": 0}
+        else:
+            params = dict(run.get("params", {}))
+            if "exact_random" in params:
+                params["exact_random"] = tuple(params["exact_random"])
+            logits, seconds, st = sess.ridgefill(tokens, **params)
+        arrays[run["name"]] = logits
+        stats[run["name"]] = {**st, "seconds": seconds}
+    sess.close()
+    return arrays, stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--spec", required=True, type=Path)
+    ap.add_argument("-o", "--out", required=True, type=Path)
+    args = ap.parse_args(argv)
+    from .. import libs
+
+    libs.use_build(args.build)
+    arrays, stats = run_spec(json.loads(args.spec.read_text()))
+    np.savez(args.out, **arrays)
+    args.out.with_suffix(".json").write_text(json.dumps(stats, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The engine's RidgeFill prefill climbs the correctness ladder (design brief §4) on the CPU.
+
+Rung 1: RidgeFill off with maps attached is byte-identical to upstream. Rung 2: resident and streamed maps give
+the same bytes. Rung 3: plumb, oracle and a prefill with nothing filled reproduce stock. Rung 4: an independent
+NumPy computation of the ridge arm from the GGUF's weights agrees with the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, require_builds
+from ridgefill_gguf import equivalence as eq
+from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
+from ridgefill_gguf.maps.convert import convert
+from ridgefill_gguf.maps.synthetic import write_float_file
+from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+from ridgefill_gguf.reference import ReferenceModel
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+SPLIT = 1
+TEXT = ("RidgeFill predicts the input of every late layer from the split layer's state, and the layer only "
+        "writes its cache from that prediction; the tail runs the whole model over that cache. ") * 6
+
+
+@pytest.fixture(scope="module")
+def deep_tiny(tmp_path_factory):
+    """Per architecture: a 4-layer random F32 model and F32 maps for layers 2 and 3 at split 1."""
+    d = tmp_path_factory.mktemp("engine-prefill")
+    out = {}
+    for arch in ARCHS:
+        shape = dataclasses.replace(tiny_shape(arch), n_layer=4)
+        model = write_random_model(d / f"{arch}.gguf", shape, seed=3)
+        src = write_float_file(d / f"{arch}.safetensors", SPLIT, [2, 3], shape.n_embd, dtype="f32", seed=4)
+        maps = convert(src, d / f"{arch}.maps.gguf", model=model, outtype="f32").out
+        out[arch] = (model, maps)
+    return out
+
+
+def run_engine(model, maps, runs, *, session=None, build="ridgefill", prompt=TEXT, tokens=None, special=False,
+               n_ctx=512, tmp_path=None):
+    spec = {"model": str(model), "n_ctx": n_ctx, "runs": runs, "special": special,
+            "session": {"n_batch": 64, "n_ubatch": 32, "n_threads": 2, "maps": str(maps) if maps else None,
+                        **(session or {})}}
+    if tokens:
+        spec["tokens"] = tokens
+    else:
+        spec["prompt"] = prompt
+    spec_file, out = tmp_path / "spec.json", tmp_path / "out.npz"
+    spec_file.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.engine.session", "--build", build,
+                           "--spec", str(spec_file), "-o", str(out)], cwd=ROOT, text=True,
+                          env=dict(os.environ, PYTHONFAULTHANDLER="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    with np.load(out) as data:
+        arrays = {k: data[k] for k in data.files}
+    return arrays, json.loads(out.with_suffix(".json").read_text())
+
+
+def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    lp = p_logits - np.logaddexp.reduce(p_logits.astype(np.float64))
+    lq = q_logits - np.logaddexp.reduce(q_logits.astype(np.float64))
+    return float(np.sum(np.exp(lp) * (lp - lq)))
+
+
+def test_ridgefill_off_with_maps_attached_is_byte_identical_to_upstream(deep_tiny):
+    require_builds()
+    model, maps = deep_tiny["qwen3"]
+    report = eq.check(model, [TEXT, "short prompt"], n_ctx=512, decode_steps=3, maps=maps,
+                      cases=[eq.Case(64, 32, False), eq.Case(512, 512, True)])
+    assert report["maps"] == str(maps)
+    assert report["n_arrays"] == 12
+    assert report["identical"], [r for r in report["arrays"] if not r["identical"]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_ridge_arm_matches_an_independent_numpy_computation(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny[arch]
+    tail, exact_rows = 40, [10, 57]
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
+                                         "exact_rows": []}},
+            {"name": "identity", "params": {"fill": "identity"}},
+            {"name": "ridge_rows", "params": {"fill": "ridge", "exact_rows": exact_rows}}]
+    arrays, stats = run_engine(model, maps, runs, session={"f32_cache": True, "flash_attn": False},
+                               tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    ref = ReferenceModel(model)
+    g = read_gguf(maps)
+    mats = {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias")) for l in (2, 3)}
+    want = {"ridge": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats)[-1],
+            "identity": ref.ridgefill_forward(tokens, SPLIT, tail, "identity")[-1],
+            "ridge_rows": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(exact_rows))[-1]}
+    for name, expected in want.items():
+        got = arrays[name]
+        rel = np.abs(got - expected).max() / np.abs(expected).max()
+        print(f"{arch} {name}: rel {rel:.2e}, stats {stats[name]}")
+        assert stats[name]["applied"] == 1
+        assert rel < 2e-5, (name, rel)
+    assert stats["ridge_rows"]["n_exact"] == stats["ridge"]["n_exact"] + 2
+    # the maps are applied: ridge and identity are far apart where the model is this sensitive
+    assert np.abs(arrays["ridge"] - arrays["identity"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_plumb_oracle_and_nothing_filled_reproduce_stock(flash_attn, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["qwen3"]
+    n_rows = None
+    runs = [{"name": "stock", "stock": True},
+            {"name": "plumb", "params": {"fill": "plumb", "tail": 40, "min_prefix": 0}},
+            {"name": "oracle", "params": {"fill": "oracle"}},
+            {"name": "nothing_filled", "params": {"fill": "ridge", "tail": 100000}},
+            {"name": "ridge", "params": {"fill": "ridge", "tail": 40}}]
+    arrays, stats = run_engine(model, maps, runs, session={"flash_attn": flash_attn}, tmp_path=tmp_path)
+    stock = arrays["stock"]
+    n_rows = len(arrays["tokens"]) - 1
+    for name in ("plumb", "oracle", "nothing_filled"):
+        assert stats[name]["applied"] == 1, stats[name]
+        assert arrays[name].argmax() == stock.argmax(), name
+        assert kl(stock, arrays[name]) < 1e-6, (name, kl(stock, arrays[name]))
+    assert stats["nothing_filled"]["n_filled"] == 0 and stats["nothing_filled"]["n_tail"] == n_rows
+    assert stats["oracle"]["n_filled"] == stats["ridge"]["n_filled"] > 0
+    # the approximate arm is not stock
+    assert kl(stock, arrays["ridge"]) > 1e-9
+
+
+def test_resident_and_streamed_maps_give_byte_identical_logits(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["llama"]
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 40, "chunk": 64}}]
+    resident, _ = run_engine(model, maps, runs, tmp_path=tmp_path)
+    streamed, _ = run_engine(model, maps, runs, session={"placement": "streamed"}, tmp_path=tmp_path)
+    assert resident["ridge"].tobytes() == streamed["ridge"].tobytes()
+
+
+def test_rows_are_counted_and_special_tokens_always_run_exactly(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["qwen2"]
+    prompt = TEXT[:400] + "<|im_start|>" + TEXT[400:]
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 30, "min_prefix": 0}},
+            {"name": "random", "params": {"exact_random": [25, 7]}}]
+    arrays, stats = run_engine(model, maps, runs, prompt=prompt, special=True, tmp_path=tmp_path)
+    n_rows = len(arrays["tokens"]) - 1
+    st = stats["ridge"]
+    assert st["n_special"] == 2  # BOS and <|im_start|>
+    assert st["n_exact"] == 2 and st["n_tail"] == 29  # the 30th tail row is the stock decode's
+    assert st["n_filled"] + st["n_exact"] + st["n_tail"] == st["n_rows"] == n_rows
+    assert st["split"] == SPLIT and st["t_total_ms"] > 0
+    assert stats["random"]["n_exact"] == 2 + 25 and stats["random"]["n_filled"] == st["n_filled"] - 25
+
+
+def test_a_prompt_too_short_for_ridgefill_takes_the_stock_path_untouched(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["qwen3"]
+    runs = [{"name": "stock", "stock": True},
+            {"name": "short", "params": {"fill": "ridge", "tail": 40, "min_prefix": 4096}}]
+    arrays, stats = run_engine(model, maps, runs, tmp_path=tmp_path)
+    assert stats["short"]["applied"] == 0
+    assert "min_prefix 4096" in stats["short"]["reason"]
+    assert arrays["short"].tobytes() == arrays["stock"].tobytes()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
+def test_attaching_maps_to_an_architecture_without_the_prefill_is_refused_by_name(arch, tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.random_gguf import SUPPORTED_ARCHS
+    if arch not in SUPPORTED_ARCHS:
+        pytest.skip(f"no random {arch} models")
+    shape = tiny_shape(arch)
+    model = write_random_model(tmp_path / "m.gguf", shape, seed=1)
+    src = write_float_file(tmp_path / "m.safetensors", 1, [2], shape.n_embd, dtype="f32")
+    maps = convert(src, tmp_path / "m.maps.gguf", model=model, outtype="f32").out
+    code = f"""
+from ridgefill_gguf import libs
+from ridgefill_gguf.engine import bindings
+llama_cpp = libs.use_build("ridgefill")
+llm = llama_cpp.Llama(model_path={str(model)!r}, n_ctx=64, verbose=False)
+m = bindings.load_maps(llm.model, {str(maps)!r})
+try:
+    bindings.attach(llm.ctx, m)
+    print("ATTACHED")
+except bindings.RidgeFillUnavailable as e:
+    print("REFUSED", e)
+llm.eval(llm.tokenize(b"still serving", add_bos=True))
+print("SERVED")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, timeout=300).stdout
+    assert f"REFUSED the RidgeFill prefill does not support architecture {arch}" in out, out[-2000:]
+    assert "SERVED" in out
