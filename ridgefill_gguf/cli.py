@@ -288,6 +288,49 @@ def corpus(folder: Path | None) -> None:
     click.echo(f"calibration: {path / 'calib'}\nheld-out: {path / 'heldout'}")
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", type=click.Path(exists=True, dir_okay=False), help="RidgeFill maps GGUF (without: stock)")
+@click.option("--tail", type=int, default=None, help="exact tail rows (default: the maps' recommendation)")
+@click.option("--placement", type=click.Choice(["resident", "streamed"]), default="resident", show_default=True)
+@click.option("--fill", type=click.Choice(["ridge", "identity", "none"]), default="ridge", show_default=True)
+@click.option("--min-prefix", type=int, default=None, help="shorter prefixes run stock (engine default 256)")
+@click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
+              help=f"context size (default: the model's, at most {32768})")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=None)
+@click.option("--log", "log_path", type=click.Path(dir_okay=False), default=None, help="server log file")
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+def serve(model, maps, tail, placement, fill, min_prefix, n_ctx, host, port, threads, n_gpu_layers, log_path,
+          extra) -> None:
+    """Start the patched llama-server on MODEL with RidgeFill MAPS; print where it listens.
+
+    Arguments after `--` go to llama-server unchanged. Each request may send "ridgefill": false to prefill
+    the stock way; responses carry the prefill's statistics in timings.ridgefill."""
+    from .serve import Server, ServerError
+
+    srv = Server(model, maps, tail=tail, placement=placement, fill=fill, min_prefix=min_prefix, n_ctx=n_ctx,
+                 host=host, port=port, threads=threads, n_gpu_layers=n_gpu_layers, extra=tuple(extra),
+                 log_path=log_path)
+    click.echo(f"starting: {' '.join(srv.command)}")
+    try:
+        srv.start()
+    except ServerError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"llama-server listening on {srv.url} " +
+               (f"(RidgeFill maps {maps}, {placement}, fill {fill})" if maps else "(no maps: stock prefill)"))
+    try:
+        srv.proc.wait()
+    except KeyboardInterrupt:
+        click.echo("stopping")
+    finally:
+        srv.stop()
+    if srv.proc.returncode not in (0, -15, None):
+        sys.exit(srv.proc.returncode)
+
+
 @main.command()
 @click.option("--model", "model_key", default=None, help="a model key of `ridgefill-gguf models` (default smollm2-135m)")
 @click.option("--max-tokens", default=48, show_default=True)

@@ -1,0 +1,110 @@
+"""llama-server with RidgeFill: flags and their environment variables, the per-request field, timings, and a
+maps file that does not fit, which leaves the server serving stock."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, require_builds
+from ridgefill_gguf.maps.convert import convert
+from ridgefill_gguf.maps.synthetic import write_float_file
+from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+from ridgefill_gguf.serve import Server, ServerError, free_port
+
+PROMPT = "A long prompt for the server: every late layer's cache is written from a prediction. " * 30
+
+
+@pytest.fixture(scope="module")
+def model_and_maps(tmp_path_factory):
+    d = tmp_path_factory.mktemp("server")
+    shape = dataclasses.replace(tiny_shape("qwen3"), n_layer=4)
+    model = write_random_model(d / "qwen3.gguf", shape, seed=5)
+    src = write_float_file(d / "maps.safetensors", 1, [2, 3], shape.n_embd, dtype="f32")
+    maps = convert(src, d / "maps.gguf", model=model).out
+    bad = write_float_file(d / "bad.safetensors", 1, [2, 3], 2 * shape.n_embd, dtype="f32")
+    bad_maps = convert(bad, d / "bad.gguf", arch="qwen3").out
+    return model, maps, bad_maps, d
+
+
+def test_a_long_prompt_is_prefilled_with_ridgefill_and_the_timings_say_how(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=d / "on.log") as srv:
+        on = srv.complete(PROMPT, n_predict=4)
+        off = srv.complete(PROMPT, n_predict=4, ridgefill=False)
+    rf = on["timings"]["ridgefill"]
+    n_prompt = on["timings"]["prompt_n"]
+    assert rf["split"] == 1 and rf["tail"] == 64
+    assert rf["filled"] + rf["exact"] + rf["tail"] == n_prompt
+    assert rf["filled"] > 0 and rf["total_ms"] > 0
+    assert "ridgefill" not in off["timings"] and off["timings"]["prompt_n"] == n_prompt
+    assert on["tokens_predicted"] == off["tokens_predicted"] == 4
+    assert "RidgeFill on: split 1" in (d / "on.log").read_text()
+
+
+def test_the_ridgefill_flags_can_come_from_the_environment(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    env = {"LLAMA_ARG_RIDGEFILL": str(maps), "LLAMA_ARG_RIDGEFILL_TAIL": "100",
+           "LLAMA_ARG_RIDGEFILL_MIN_PREFIX": "0", "LLAMA_ARG_RIDGEFILL_FILL": "identity"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with Server(model, None, threads=2, log_path=d / "env.log") as srv:
+            rf = srv.complete(PROMPT, n_predict=2)["timings"]["ridgefill"]
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert rf["tail"] == 100
+    assert "RidgeFill on: split 1, fill identity, tail 100" in (d / "env.log").read_text()
+
+
+def test_a_maps_file_that_does_not_fit_is_refused_by_name_and_the_server_serves_stock(model_and_maps):
+    require_builds("ridgefill")
+    model, _, bad_maps, d = model_and_maps
+    with Server(model, bad_maps, tail=64, min_prefix=0, threads=2, log_path=d / "bad.log") as srv:
+        out = srv.complete(PROMPT, n_predict=3)
+    assert "ridgefill" not in out["timings"] and out["tokens_predicted"] == 3
+    log = (d / "bad.log").read_text()
+    assert "RidgeFill maps refused, serving without them" in log
+    assert "a map is 128x128 (d_out x d_in), the model's residual stream is 64 wide" in log
+
+
+def test_a_bad_flag_value_stops_the_server_with_the_reason(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    srv = Server(model, maps, fill="sometimes", log_path=d / "flag.log", startup_timeout=60)
+    with pytest.raises(ServerError):
+        srv.start()
+    assert "--ridgefill-fill must be ridge, identity or none, not sometimes" in (d / "flag.log").read_text()
+
+
+def test_ridgefill_gguf_serve_prints_where_it_listens(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, _ = model_and_maps
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ridgefill_gguf.cli", "serve", str(model), "--maps", str(maps),
+                             "--port", str(port), "-t", "2"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline, lines = time.monotonic() + 120, []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert any(f"llama-server listening on http://127.0.0.1:{port}" in line for line in lines), lines
+        assert any("--ridgefill" in line and "-np 1" in line for line in lines), lines
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
