@@ -332,6 +332,30 @@ def serve(model, maps, tail, placement, fill, min_prefix, n_ctx, host, port, thr
 
 
 @main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--tokens", "lengths", default="8192,16384", show_default=True, help="prompt lengths, comma-separated")
+@click.option("--tail", default=1024, show_default=True)
+@click.option("--placement", "placements", multiple=True, type=click.Choice(["resident", "streamed"]),
+              help="repeatable (default: resident)")
+@click.option("--repeats", default=3, show_default=True, help="timed requests per arm and length")
+@click.option("-ngl", "--n-gpu-layers", type=int, default=None)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/bench"),
+              show_default=True)
+@click.option("--label", default=None, help="names the result files (default: the model's file name)")
+def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label) -> None:
+    """Time to first token of MODEL, exact against RidgeFill, side by side on one server; JSON, Markdown, PNG."""
+    from .bench import run_bench
+
+    result = run_bench(model, maps, [int(x) for x in lengths.split(",")], tail=tail,
+                       placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
+                       threads=threads, out_dir=out_dir, label=label, log=click.echo)
+    click.echo(Path(result["files"][1]).read_text())
+    click.echo("wrote " + ", ".join(result["files"]))
+
+
+@main.command()
 @click.option("--model", "model_key", default=None, help="a model key of `ridgefill-gguf models` (default smollm2-135m)")
 @click.option("--max-tokens", default=48, show_default=True)
 def demo(model_key: str | None, max_tokens: int) -> None:

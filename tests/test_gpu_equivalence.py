@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import require_builds
+from conftest import require_cuda_builds
 from ridgefill_gguf import equivalence
 from ridgefill_gguf.logits import Case
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
@@ -18,7 +18,7 @@ LONG_PROMPT = "In the beginning the Universe was created. This has made a lot of
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen35"])
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 def test_cuda_builds_give_byte_identical_logits_with_all_layers_on_the_gpu(arch, dtype, tmp_path):
-    require_builds()
+    require_cuda_builds()
     shape = tiny_shape(arch)
     model = write_random_model(tmp_path / f"{arch}-{dtype}.gguf", shape, dtype=dtype, seed=3)
     report = equivalence.check(model, prompts=equivalence.DEFAULT_PROMPTS + [LONG_PROMPT], cases=GPU_CASES,

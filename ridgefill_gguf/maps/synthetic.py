@@ -60,3 +60,42 @@ def write_float_file(path: str | Path, split: int, layers: list[int], d_out: int
     md.update(metadata or {})
     save(path, tensors, md, bf16=tuple(bf16))
     return path
+
+
+def write_random_maps(model: str | Path, split: int, out: str | Path, *, outtype: str = "q8_0", seed: int = 0,
+                      tail_default: int | None = None, force: bool = False) -> Path:
+    """Near-identity maps for every layer after `split` of a model: for timing at real shapes (speed does
+    not depend on the maps' values) and for tests."""
+    from . import format as fmt
+    from .convert import encode
+
+    fp = fmt.model_fingerprint(model)
+    if not 1 <= split <= fp.n_layer - 2:
+        raise ValueError(f"split {split}: maps need 1 <= split <= n_layer - 2 = {fp.n_layer - 2}")
+    layers = list(range(split + 1, fp.n_layer))
+    qtype = fmt.WEIGHT_TYPES[outtype]
+    meta = fmt.MapsMeta(fp.architecture, split, layers, lam=None, tail_default=tail_default,
+                        name="random near-identity maps (timing only)", model_n_layer=fp.n_layer,
+                        model_n_embd=fp.n_embd, model_vocab_sha256=fp.vocab_sha256)
+    rng = np.random.default_rng(seed)
+
+    def produce(p):
+        w = near_identity(rng, fp.n_embd, fp.n_embd)
+        b = rng.standard_normal(fp.n_embd, dtype=np.float32) * np.float32(0.01)
+        return fmt.LayerMap(p.layer, encode(w, qtype), qtype, fp.n_embd, b)
+
+    plans = [fmt.LayerPlan(layer, fp.n_embd, fp.n_embd, qtype) for layer in layers]
+    return fmt.write_maps(out, meta, plans, produce, force=force)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write near-identity maps for a model (timing only)")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--split", type=int, required=True)
+    ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("--outtype", default="q8_0")
+    ap.add_argument("--force", action="store_true")
+    a = ap.parse_args()
+    print(write_random_maps(a.model, a.split, a.out, outtype=a.outtype, force=a.force))

@@ -1,0 +1,207 @@
+"""`ridgefill-gguf bench`: time to first token, exact against RidgeFill, side by side on one server.
+
+One llama-server per placement holds the maps; each prompt length is sent the stock way ("ridgefill": false)
+and with RidgeFill, alternately, `repeats` times after a warm-up pair. Time to first token is the server's
+prompt time (timings.prompt_ms); the speedup is the ratio of the medians. Beside it, two ceilings
+(design brief §6): 1/r of paper §2.5 (every layer costs the same, the maps are free) and the share of
+multiply-accumulates that remains (maps, filled rows' K/V projections, exact rows and attention counted).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .gguf_io import read_gguf
+from .serve import Server
+from .util import write_atomic
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: str | Path) -> "Shape":
+        g = read_gguf(model, skip_arrays=("tokenizer.",))
+        a = g.get("general.architecture")
+        n_embd, n_head = int(g.get(f"{a}.embedding_length")), int(g.get(f"{a}.attention.head_count"))
+        return cls(int(g.get(f"{a}.block_count")), n_embd, int(g.get(f"{a}.feed_forward_length")), n_head,
+                   int(g.get(f"{a}.attention.head_count_kv") or n_head),
+                   int(g.get(f"{a}.attention.key_length") or n_embd // n_head))
+
+
+def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
+    """1/r with r = ((N-T)·S + T·L) / (N·L) (paper §2.5)."""
+    t = min(tail, n)
+    return n * n_layer / ((n - t) * split + t * n_layer)
+
+
+def mac_ceiling(shape: Shape, n: int, split: int, n_filled: int, n_exact_rows: int, has_maps: bool = True) -> float:
+    """Exact prefill's multiply-accumulates over RidgeFill's (causal attention counted at average length).
+
+    RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split)
+    and their K/V projection; exact rows (special, chosen, tail) pay the whole layer."""
+    s = shape
+    q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    proj = s.n_embd * (q + 2 * kv) + q * s.n_embd
+    ffn = 3 * s.n_embd * s.n_ff
+    attn_per_row = 2 * s.n_head * s.head_dim * (n + 1) / 2  # QK and PV over half the context on average
+    full_row = proj + ffn + attn_per_row
+    exact = n * s.n_layer * full_row
+    late = s.n_layer - split
+    maps = (late - 1) * s.n_embd * s.n_embd if has_maps else 0
+    rf = n * split * full_row + n_filled * (maps + late * s.n_embd * 2 * kv) + n_exact_rows * late * full_row
+    return exact / rf
+
+
+def default_text(min_chars: int) -> str:
+    """Python standard library sources, on every machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(errors="replace")
+        parts.append(text)
+        total += len(text)
+        if total >= min_chars:
+            break
+    return "\n\n".join(parts)
+
+
+def hardware() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    out = {"cpu": cpu, "cores": os.cpu_count(), "host": platform.node()}
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        if gpu:
+            out["gpu"] = gpu
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return out
+
+
+def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: int = 1024,
+              placements: tuple[str, ...] = ("resident",), repeats: int = 3, n_gpu_layers: int | None = None,
+              threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
+              label: str | None = None, min_prefix: int | None = None,
+              log: Callable[[str], None] = print) -> dict:
+    shape = Shape.of(model)
+    split = int(read_gguf(maps).get("ridgefill.split"))
+    n_max = max(lengths)
+    text = text or default_text(6 * n_max)
+    rows = []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(partial: bool) -> dict:
+        """Written after every length, so a run cut short keeps what it measured."""
+        result = {"benchmark": "time to first token, exact vs RidgeFill", "date": dt.date.today().isoformat(),
+                  "hardware": hardware(), "model": str(model), "maps": str(maps), "split": split, "tail": tail,
+                  "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": shape.__dict__, "partial": partial,
+                  "rows": rows}
+        stem = f"{result['date']}-{label or Path(model).stem}"
+        write_atomic(out_dir / f"{stem}.json", json.dumps(result, indent=2) + "\n")
+        write_atomic(out_dir / f"{stem}.md", markdown(result))
+        result["files"] = [str(out_dir / f"{stem}.{ext}") for ext in ("json", "md")]
+        if not partial and rows:
+            try:
+                plot(result, out_dir / f"{stem}.png")
+                result["files"].append(str(out_dir / f"{stem}.png"))
+            except ImportError:  # no matplotlib (the GPU machine): plot(json.load(...), path) redraws it later
+                pass
+        return result
+
+    for placement in placements:
+        with Server(model, maps, tail=tail, placement=placement, min_prefix=min_prefix, n_ctx=n_max + 64,
+                    threads=threads,
+                    n_gpu_layers=n_gpu_layers, log_path=out_dir / f"server-{placement}.log") as srv:
+            all_tokens = srv.post("/tokenize", {"content": text, "add_special": True})["tokens"]
+            if len(all_tokens) < n_max:
+                raise ValueError(f"the text gives {len(all_tokens)} tokens, fewer than {n_max}")
+            for n in lengths:
+                prompt = all_tokens[:n]
+                srv.complete(prompt, n_predict=1, ridgefill=False)  # warm-up pair
+                srv.complete(prompt, n_predict=1, ridgefill=True)
+                exact_ms, rf_ms, stats = [], [], []
+                for i in range(repeats):
+                    exact_ms.append(srv.complete(prompt, n_predict=1, ridgefill=False)["timings"]["prompt_ms"])
+                    t = srv.complete(prompt, n_predict=1, ridgefill=True)["timings"]
+                    if "ridgefill" not in t:
+                        raise RuntimeError(f"{n} tokens: the server did not use RidgeFill (see {srv.log_path})")
+                    rf_ms.append(t["prompt_ms"])
+                    stats.append(t["ridgefill"])
+                    log(f"bench: {placement} {n} tokens, run {i + 1}/{repeats}: exact {exact_ms[-1]:.0f} ms, "
+                        f"RidgeFill {rf_ms[-1]:.0f} ms")
+                st = stats[-1]
+                med = {k: statistics.median(s[k] for s in stats) for k in ("early_ms", "fill_ms", "exact_ms")}
+                speedup = statistics.median(exact_ms) / statistics.median(rf_ms)
+                c_layer = layer_ceiling(n, split, st["tail"], shape.n_layer)
+                c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"])
+                rows.append({"placement": placement, "tokens": n, "exact_ms": exact_ms, "ridgefill_ms": rf_ms,
+                             "median_exact_ms": statistics.median(exact_ms),
+                             "median_ridgefill_ms": statistics.median(rf_ms), "speedup": speedup,
+                             "ceiling_layers": c_layer, "ceiling_macs": c_mac, "share_of_ceiling": speedup / c_mac,
+                             "rows": {k: st[k] for k in ("filled", "exact", "special", "tail")},
+                             "phases_ms": med})
+                log(f"bench: {placement} {n} tokens: speedup {speedup:.2f}x (ceiling {c_mac:.2f}x by MACs, "
+                    f"{c_layer:.2f}x by layers)")
+                save(partial=True)
+    return save(partial=False)
+
+
+def markdown(r: dict) -> str:
+    hw = r["hardware"]
+    lines = [f"# Time to first token: {Path(r['model']).name}, split {r['split']}, tail {r['tail']}", "",
+             f"{r['date']}; {hw.get('gpu') or hw['cpu']}; {hw['cores']} cores; medians of {r['repeats']} "
+             "requests per arm, alternating on one server, after a warm-up pair", "",
+             "| placement | tokens | exact (ms) | RidgeFill (ms) | speedup | ceiling (MACs) | ceiling (1/r) "
+             "| share of MAC ceiling | filled / exact / tail rows | sweep one / fill / exact (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        p, rw = x["phases_ms"], x["rows"]
+        lines.append(f"| {x['placement']} | {x['tokens']} | {x['median_exact_ms']:.0f} | "
+                     f"{x['median_ridgefill_ms']:.0f} | {x['speedup']:.2f}x | {x['ceiling_macs']:.2f}x | "
+                     f"{x['ceiling_layers']:.2f}x | {100 * x['share_of_ceiling']:.0f}% | "
+                     f"{rw['filled']} / {rw['exact']} / {rw['tail']} | "
+                     f"{p['early_ms']:.0f} / {p['fill_ms']:.0f} / {p['exact_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for placement in sorted({x["placement"] for x in r["rows"]}):
+        xs = [x for x in r["rows"] if x["placement"] == placement]
+        ax.plot([x["tokens"] for x in xs], [x["speedup"] for x in xs], "o-", label=f"measured, {placement}")
+    xs = [x for x in r["rows"] if x["placement"] == r["rows"][0]["placement"]]
+    ax.plot([x["tokens"] for x in xs], [x["ceiling_macs"] for x in xs], "k--", label="ceiling (MACs)")
+    ax.plot([x["tokens"] for x in xs], [x["ceiling_layers"] for x in xs], "k:", label="ceiling (1/r)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("speedup of time to first token")
+    ax.set_title(f"{Path(r['model']).name}, split {r['split']}, tail {r['tail']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)

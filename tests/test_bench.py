@@ -1,0 +1,42 @@
+"""The time-to-first-token benchmark: its ceilings, and a run end to end on a tiny model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from conftest import require_builds
+from ridgefill_gguf.bench import Shape, layer_ceiling, mac_ceiling, run_bench
+from ridgefill_gguf.maps.synthetic import write_random_maps
+from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+
+def test_the_layer_ceiling_matches_the_papers_flash_next_numbers():
+    # paper §2.5: L=48, S=24, T=2048 gives 1.64x at 9K and 1.88x at 32K
+    assert layer_ceiling(9216, 24, 2048, 48) == pytest.approx(1.64, abs=0.005)
+    assert layer_ceiling(32768, 24, 2048, 48) == pytest.approx(1.88, abs=0.005)
+    assert layer_ceiling(1000, 24, 2048, 48) == 1.0
+
+
+def test_the_mac_ceiling_is_one_when_nothing_is_filled_and_grows_with_the_filled_share():
+    shape = Shape(36, 4096, 12288, 32, 8, 128)
+    assert mac_ceiling(shape, 16384, 13, 0, 16384) == pytest.approx(1.0)
+    low = mac_ceiling(shape, 16384, 13, 8192, 8192)
+    high = mac_ceiling(shape, 16384, 13, 12288, 4096)
+    assert 1.0 < low < high < layer_ceiling(16384, 13, 4096, 36) + 1e-9
+
+
+def test_a_bench_run_writes_json_markdown_and_a_plot(tmp_path):
+    require_builds("ridgefill")
+    model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=2)
+    maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
+    r = run_bench(model, maps, [300, 600], tail=64, repeats=1, threads=2, out_dir=tmp_path / "out",
+                  label="tiny", min_prefix=0, log=lambda s: None)
+    data = json.loads((tmp_path / "out" / f"{r['date']}-tiny.json").read_text())
+    assert data["partial"] is False and [x["tokens"] for x in data["rows"]] == [300, 600]
+    row = data["rows"][0]
+    assert row["rows"]["filled"] + row["rows"]["exact"] + row["rows"]["tail"] == 300
+    assert row["speedup"] > 0 and row["ceiling_macs"] > 1
+    assert "| resident | 600 |" in (tmp_path / "out" / f"{r['date']}-tiny.md").read_text()
+    assert (tmp_path / "out" / f"{r['date']}-tiny.png").stat().st_size > 1000

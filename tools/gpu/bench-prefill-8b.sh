@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# On the GPU machine after tools/gpu/prepare-8b.sh: time to first token, exact against RidgeFill, for the
+# Qwen3-8B-shaped random model, split 13, tail 4096, resident and streamed (issue 5). Results in $OUT/bench.
+#   TOKENS=16384,32768,65536 bash tools/gpu/bench-prefill-8b.sh
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
+export PYTHONPATH="/tmp/site:$repo" PYTHONUNBUFFERED=1 LD_PRELOAD=${LD_PRELOAD:-/lib/x86_64-linux-gnu/libstdc++.so.6}
+cd "$repo"
+python3 - "$work/qwen3-8b-q8_0.gguf" "$work/qwen3-8b-q8_0.S13.maps.gguf" "${OUT:-results}/bench" <<'PY'
+import sys
+from ridgefill_gguf.bench import run_bench
+import os
+lengths = [int(x) for x in os.environ.get("TOKENS", "16384,32768,65536").split(",")]
+r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=4096, placements=("resident", "streamed"),
+              repeats=int(os.environ.get("REPEATS", "3")), n_gpu_layers=99, out_dir=sys.argv[3],
+              label="qwen3-8b-shape-h200")
+print(open(r["files"][1]).read())
+PY
