@@ -11,9 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Callable
 
 from .gguf_io import read_gguf
 from .serve import Server
-from .util import write_atomic
+from .util import hardware, write_atomic
 
 
 @dataclass(frozen=True)
@@ -78,20 +76,6 @@ def default_text(min_chars: int) -> str:
         if total >= min_chars:
             break
     return "\n\n".join(parts)
-
-
-def hardware() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    out = {"cpu": cpu, "cores": os.cpu_count(), "host": platform.node()}
-    try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-        if gpu:
-            out["gpu"] = gpu
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return out
 
 
 def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: int = 1024,

@@ -28,3 +28,23 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def hardware() -> dict:
+    """What a benchmark ran on: CPU, cores, memory, host, Python, and the GPU where there is one."""
+    import platform
+    import subprocess
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    out = {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_kib / 2**20, 1), "host": platform.node(),
+           "python": platform.python_version()}
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        if gpu:
+            out["gpu"] = gpu
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return out

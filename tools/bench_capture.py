@@ -21,11 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_convert import hardware  # noqa: E402
 from ridgefill_gguf.fit.capture import Capturer, iter_documents  # noqa: E402
 from ridgefill_gguf.fit.solve import solve  # noqa: E402
 from ridgefill_gguf.fit.sums import SplitSums  # noqa: E402
-from ridgefill_gguf.util import write_atomic  # noqa: E402
+from ridgefill_gguf.util import hardware, write_atomic  # noqa: E402
 
 
 def main() -> int:

@@ -13,7 +13,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -25,23 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ridgefill_gguf.maps.synthetic import write_int8_folder  # noqa: E402
-from ridgefill_gguf.util import write_atomic  # noqa: E402
-
-
-def hardware() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    out = {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_kib / 2**20, 1), "host": platform.node(),
-           "python": platform.python_version()}
-    try:  # the GPU, where there is one
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-        if gpu:
-            out["gpu"] = gpu
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return out
+from ridgefill_gguf.util import hardware, write_atomic  # noqa: E402
 
 
 def run_once(cmd: list[str]) -> tuple[float, int]:
