@@ -18,7 +18,7 @@ def test_version_prints_the_package_version():
 def test_help_lists_the_working_commands_and_none_that_are_not_built_yet():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
-    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus", "solve", "merge"):
+    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus", "solve", "merge", "serve", "bench"):
         assert cmd in result.output
     for later in ("serve", "eval", "bench"):
         assert f"  {later} " not in result.output
@@ -26,7 +26,7 @@ def test_help_lists_the_working_commands_and_none_that_are_not_built_yet():
 
 
 def test_every_command_has_help():
-    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus", "solve", "merge"):
+    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus", "solve", "merge", "serve", "bench"):
         result = CliRunner().invoke(main, [cmd, "--help"])
         assert result.exit_code == 0 and "Usage:" in result.output
 

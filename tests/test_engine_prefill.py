@@ -196,3 +196,18 @@ print("SERVED")
                          stderr=subprocess.STDOUT, timeout=300).stdout
     assert f"REFUSED the RidgeFill prefill does not support architecture {arch}" in out, out[-2000:]
     assert "SERVED" in out
+
+
+def test_the_equivalence_command_takes_maps_and_a_prompts_file_and_exits_zero_when_identical(deep_tiny, tmp_path):
+    require_builds()
+    model, maps = deep_tiny["qwen2"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TEXT + "\n---\nA second, short prompt.\n")
+    proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.cli", "equivalence", str(model), "--maps", str(maps),
+                           "--prompts", str(prompts), "--n-ctx", "512", "--decode-steps", "2",
+                           "--json", str(tmp_path / "eq.json")], cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "byte-identical" in proc.stdout
+    report = json.loads((tmp_path / "eq.json").read_text())
+    assert report["maps"] == str(maps) and len(report["spec"]["prompts"]) == 2

@@ -108,3 +108,13 @@ def test_ridgefill_gguf_serve_prints_where_it_listens(model_and_maps):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_llama_cli_takes_the_same_ridgefill_flags():
+    require_builds("ridgefill")
+    out = subprocess.run([str(ROOT / "build" / "ridgefill" / "bin" / "llama-cli"), "--help"], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60).stdout
+    for flag in ("--ridgefill FNAME", "--ridgefill-tail N", "--ridgefill-maps", "--ridgefill-fill",
+                 "--ridgefill-min-prefix N"):
+        assert flag in out, flag
+    assert "LLAMA_ARG_RIDGEFILL_TAIL" in out

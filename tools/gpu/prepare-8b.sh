@@ -11,7 +11,9 @@ export PYTHONPATH="/tmp/site:$repo" PYTHONUNBUFFERED=1
 model="$work/qwen3-8b-q8_0.gguf"
 maps="$work/qwen3-8b-q8_0.S13.maps.gguf"
 (
-    [ -f "$model" ] || python3 -m ridgefill_gguf.random_gguf --preset qwen3-8b --dtype q8_0 -o "$model"
+    # the vocab from the carried tree: vendor/ is linked only once the builds are done
+    [ -f "$model" ] || python3 -m ridgefill_gguf.random_gguf --preset qwen3-8b --dtype q8_0 -o "$model" \
+        --vocab "$repo/.cache/device/llama.cpp/models/ggml-vocab-qwen2.gguf"
     [ -f "$maps" ] || python3 -m ridgefill_gguf.maps.synthetic --model "$model" --split 13 -o "$maps"
 ) > "$work/prepare-8b.log" 2>&1 &
 gen=$!
