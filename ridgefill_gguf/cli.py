@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -319,6 +320,8 @@ def serve(model, maps, tail, placement, fill, min_prefix, n_ctx, host, port, thr
         srv.start()
     except ServerError as e:
         raise click.ClickException(str(e)) from e
+    # a SIGTERM to this process stops the server too (Python's default would leave it running)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     click.echo(f"llama-server listening on {srv.url} " +
                (f"(RidgeFill maps {maps}, {placement}, fill {fill})" if maps else "(no maps: stock prefill)"))
     try:

@@ -108,6 +108,9 @@ def test_ridgefill_gguf_serve_prints_where_it_listens(model_and_maps):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    # the server went with it
+    time.sleep(1)
+    assert subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], stdout=subprocess.PIPE).returncode == 1
 
 
 def test_llama_cli_takes_the_same_ridgefill_flags():
