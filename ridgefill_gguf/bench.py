@@ -1,9 +1,9 @@
 """`ridgefill-gguf bench`: time to first token, exact against RidgeFill, side by side on one server.
 
 One llama-server per placement holds the maps; each prompt length is sent the stock way ("ridgefill": false)
-and with RidgeFill, alternately, `repeats` times; each server start begins with a warm-up pair. Time to first token is the server's
-prompt time (timings.prompt_ms); the speedup is the ratio of the medians. Beside it, two ceilings
-(design brief §6): 1/r of paper §2.5 (every layer costs the same, the maps are free) and the share of
+and with RidgeFill, alternately, `repeats` times; each server start begins with a warm-up pair. Time to first
+token is the server's prompt time (timings.prompt_ms); the speedup is the ratio of the medians. Beside it, two
+ceilings (design brief §6): 1/r of paper §2.5 (every layer costs the same, the maps are free) and the share of
 multiply-accumulates that remains (maps, filled rows' K/V projections, exact rows and attention counted).
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def default_text(min_chars: int) -> str:
 def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: int = 1024,
               placements: tuple[str, ...] = ("resident",), repeats: int = 3, n_gpu_layers: int | None = None,
               threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
-              label: str | None = None, min_prefix: int | None = None,
+              label: str | None = None, min_prefix: int | None = None, extra: tuple[str, ...] = (),
               log: Callable[[str], None] = print) -> dict:
     shape = Shape.of(model)
     split = int(read_gguf(maps).get("ridgefill.split"))
@@ -111,8 +111,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
 
     for placement in placements:
         with Server(model, maps, tail=tail, placement=placement, min_prefix=min_prefix, n_ctx=n_max + 64,
-                    threads=threads,
-                    n_gpu_layers=n_gpu_layers, log_path=out_dir / f"server-{placement}.log") as srv:
+                    threads=threads, n_gpu_layers=n_gpu_layers, extra=extra,
+                    log_path=out_dir / f"server-{placement}.log") as srv:
             all_tokens = srv.post("/tokenize", {"content": text, "add_special": True})["tokens"]
             if len(all_tokens) < n_max:
                 raise ValueError(f"the text gives {len(all_tokens)} tokens, fewer than {n_max}")

@@ -359,7 +359,8 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
 
 
 @main.command()
-@click.option("--model", "model_key", default=None, help="a model key of `ridgefill-gguf models` (default qwen2.5-coder-0.5b)")
+@click.option("--model", "model_key", default=None,
+              help="a model key of `ridgefill-gguf models` (default qwen2.5-coder-0.5b)")
 @click.option("--max-tokens", default=24, show_default=True)
 def demo(model_key: str | None, max_tokens: int) -> None:
     """Answer a question about a long document with the patched llama.cpp (the main job, on defaults)."""

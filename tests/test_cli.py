@@ -9,6 +9,9 @@ from click.testing import CliRunner
 from ridgefill_gguf import __version__
 from ridgefill_gguf.cli import main
 
+COMMANDS = ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus", "solve",
+            "merge", "serve", "bench")
+
 
 def test_version_prints_the_package_version():
     result = CliRunner().invoke(main, ["--version"])
@@ -18,15 +21,15 @@ def test_version_prints_the_package_version():
 def test_help_lists_the_working_commands_and_none_that_are_not_built_yet():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
-    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus", "solve", "merge", "serve", "bench"):
+    for cmd in COMMANDS:
         assert cmd in result.output
-    for later in ("serve", "eval", "bench"):
+    for later in ("eval",):
         assert f"  {later} " not in result.output
-    assert CliRunner().invoke(main, ["serve"]).exit_code != 0
+    assert CliRunner().invoke(main, ["eval"]).exit_code != 0
 
 
 def test_every_command_has_help():
-    for cmd in ("equivalence", "models", "demo", "info", "convert", "inspect", "verify", "fit", "corpus", "solve", "merge", "serve", "bench"):
+    for cmd in COMMANDS:
         result = CliRunner().invoke(main, [cmd, "--help"])
         assert result.exit_code == 0 and "Usage:" in result.output
 
