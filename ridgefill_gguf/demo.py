@@ -70,8 +70,8 @@ def run_demo(model_key: str | None = None, max_tokens: int = 24, min_tokens: int
             return len(srv.post("/tokenize", {"content": text})["tokens"])
 
         document, n_doc = build_document(count, min_tokens)
-        echo(f"demo: document: {len(MODULES)} standard library modules or fewer, {n_doc} tokens, with one line "
-             f"planted after the first module; question: {QUESTION}")
+        echo(f"demo: document: {document.count('# ---- ')} standard library modules, {n_doc} tokens, with one "
+             f"line planted after the first module; question: {QUESTION}")
         body = {"messages": [{"role": "user", "content": f"{document}\n\n{QUESTION}"}], "max_tokens": max_tokens,
                 "temperature": 0, "cache_prompt": False}
         arms = {}
@@ -97,6 +97,9 @@ def run_demo(model_key: str | None = None, max_tokens: int = 24, min_tokens: int
              f"({st['special']} special tokens), tail {st['tail']}; sweep one {st['early_ms'] / 1000:.1f} s, "
              f"fill {st['fill_ms'] / 1000:.1f} s, exact rows {st['exact_ms'] / 1000:.1f} s; "
              f"speedup {stock['prompt_ms'] / rf['prompt_ms']:.2f}x")
+        if CODENAME in stock["answer"] and CODENAME not in rf["answer"]:
+            echo("Plain RidgeFill lost part of the answer: the planted line is a filled row, and the rows the "
+                 "question needs must run exactly (paper §2.4); the probe that picks them is a later issue.")
     else:
         echo("\nRidgeFill did not run on this prompt (see the server log)")
     return {"model": model.name, "maps": str(maps), "arms": arms}
