@@ -121,3 +121,25 @@ def test_llama_cli_takes_the_same_ridgefill_flags():
                  "--ridgefill-min-prefix N"):
         assert flag in out, flag
     assert "LLAMA_ARG_RIDGEFILL_TAIL" in out
+
+
+@pytest.mark.parametrize("kv", ["-kvu", "--no-kv-unified"])
+def test_parallel_slots_prefill_their_own_sequences_with_ridgefill(kv, model_and_maps):
+    require_builds("ridgefill")
+    import threading
+
+    model, maps, _, d = model_and_maps
+    # a later -np overrides serve's one slot
+    with Server(model, maps, tail=32, min_prefix=0, threads=2, n_ctx=4096, extra=("-np", "2", kv),
+                log_path=d / f"np2{kv}.log") as srv:
+        out = {}
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, srv.complete(PROMPT + str(i), n_predict=4)))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        alone = srv.complete(PROMPT + "0", n_predict=4)
+    assert all(out[i]["timings"]["ridgefill"]["filled"] > 0 for i in range(2))
+    # the same prompt gives the same greedy tokens whether another sequence ran beside it or not
+    assert out[0]["content"] == alone["content"]
