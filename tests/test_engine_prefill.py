@@ -168,12 +168,9 @@ def test_a_prompt_too_short_for_ridgefill_takes_the_stock_path_untouched(deep_ti
     assert arrays["short"].tobytes() == arrays["stock"].tobytes()
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
-def test_attaching_maps_to_an_architecture_without_the_prefill_is_refused_by_name(arch, tmp_path):
+def test_attaching_maps_to_an_architecture_without_the_prefill_is_refused_by_name(tmp_path):
     require_builds("ridgefill")
-    from ridgefill_gguf.random_gguf import SUPPORTED_ARCHS
-    if arch not in SUPPORTED_ARCHS:
-        pytest.skip(f"no random {arch} models")
+    arch = "qwen35"  # hybrid Gated DeltaNet: a later issue
     shape = tiny_shape(arch)
     model = write_random_model(tmp_path / "m.gguf", shape, seed=1)
     src = write_float_file(tmp_path / "m.safetensors", 1, [2], shape.n_embd, dtype="f32")
