@@ -64,6 +64,17 @@ def run_engine(model, maps, runs, *, session=None, build="ridgefill", prompt=TEX
     return arrays, json.loads(out.with_suffix(".json").read_text())
 
 
+# the configuration in which llama.cpp and the NumPy reference agree to about 1e-6 (design brief §4, rung 4)
+TIGHT = {"f32_cache": True, "flash_attn": False}
+
+
+def reference_and_maps(model, maps):
+    g = read_gguf(maps)
+    layers = [int(name.split(".")[1]) for name in g.tensors if name.endswith("rf_map.weight")]
+    return ReferenceModel(model), {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias"))
+                                   for l in layers}
+
+
 def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     lp = p_logits - np.logaddexp.reduce(p_logits.astype(np.float64))
     lq = q_logits - np.logaddexp.reduce(q_logits.astype(np.float64))
@@ -89,12 +100,9 @@ def test_the_ridge_arm_matches_an_independent_numpy_computation(arch, deep_tiny,
                                          "exact_rows": []}},
             {"name": "identity", "params": {"fill": "identity"}},
             {"name": "ridge_rows", "params": {"fill": "ridge", "exact_rows": exact_rows}}]
-    arrays, stats = run_engine(model, maps, runs, session={"f32_cache": True, "flash_attn": False},
-                               tmp_path=tmp_path)
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
     tokens = arrays["tokens"].tolist()
-    ref = ReferenceModel(model)
-    g = read_gguf(maps)
-    mats = {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias")) for l in (2, 3)}
+    ref, mats = reference_and_maps(model, maps)
     want = {"ridge": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats)[-1],
             "identity": ref.ridgefill_forward(tokens, SPLIT, tail, "identity")[-1],
             "ridge_rows": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(exact_rows))[-1]}
@@ -208,3 +216,30 @@ def test_the_equivalence_command_takes_maps_and_a_prompts_file_and_exits_zero_wh
     assert "byte-identical" in proc.stdout
     report = json.loads((tmp_path / "eq.json").read_text())
     assert report["maps"] == str(maps) and len(report["spec"]["prompts"]) == 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tail_rows_logits_from_the_prefill_match_numpy_for_every_arm(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny[arch]
+    tail = 40
+    base = {"tail": tail, "chunk": 48, "min_prefix": 0}
+    runs = [{"name": "stock", "stock": True, "rows": tail}] + [
+        {"name": fill, "rows": tail, "params": {**base, "fill": fill}} for fill in ("ridge", "identity", "none",
+                                                                                   "oracle", "plumb")]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    ref, mats = reference_and_maps(model, maps)
+    want = {fill: ref.ridgefill_forward(tokens, SPLIT, tail, fill, mats if fill == "ridge" else None)
+            for fill in ("ridge", "identity", "none", "oracle")}
+    want["plumb"] = ref.forward(tokens)[0][-tail:]
+    assert np.abs(arrays["stock"] - want["plumb"]).max() / np.abs(want["plumb"]).max() < 2e-5
+    for name, expected in want.items():
+        got = arrays[name]
+        assert got.shape == expected.shape == (tail, expected.shape[1])
+        rel = np.abs(got - expected).max() / np.abs(expected).max()
+        print(f"{arch} {name}: rel {rel:.2e} over {tail} rows")
+        assert stats[name]["applied"] == 1 and stats[name]["n_tail"] == tail
+        assert rel < 2e-5, (name, rel)
+    # none differs from the arms that write something
+    assert np.abs(arrays["none"] - arrays["identity"]).max() > 1e-3

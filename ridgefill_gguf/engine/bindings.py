@@ -80,6 +80,9 @@ class Stats(ctypes.Structure):
 
 
 _SIGNATURES["llama_ridgefill_get_stats"] = (None, [ctypes.c_void_p, ctypes.POINTER(Stats)])
+_SIGNATURES["llama_ridgefill_set_logits_rows"] = (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32])
+_SIGNATURES["llama_ridgefill_get_logits"] = (ctypes.POINTER(ctypes.c_float),
+                                             [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)])
 
 
 class PrefillError(RuntimeError):
@@ -129,7 +132,7 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 
 def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_rows: list[int] | None = None,
               exact_random: tuple[int, int] | None = None, chunk: int | None = None,
-              min_prefix: int | None = None) -> None:
+              min_prefix: int | None = None, logits_rows: int | None = None) -> None:
     """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
     lib = _prefill_lib()
     calls = []
@@ -148,6 +151,8 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
         calls.append(("chunk", lib.llama_ridgefill_set_chunk(ctx, chunk)))
     if min_prefix is not None:
         calls.append(("min_prefix", lib.llama_ridgefill_set_min_prefix(ctx, min_prefix)))
+    if logits_rows is not None:
+        calls.append(("logits_rows", lib.llama_ridgefill_set_logits_rows(ctx, logits_rows)))
     for name, rc in calls:
         if rc != 0:
             err = lib.llama_ridgefill_last_error().decode()
@@ -169,6 +174,15 @@ def stats(ctx) -> dict:
     out = Stats()
     _prefill_lib().llama_ridgefill_get_stats(ctx, ctypes.byref(out))
     return out.as_dict()
+
+
+def logits(ctx, n_vocab: int) -> np.ndarray:
+    """The last prefill's own logits (llama_ridgefill_set_logits_rows): float32 [n_rows, n_vocab]."""
+    n = ctypes.c_int32(0)
+    ptr = _prefill_lib().llama_ridgefill_get_logits(ctx, ctypes.byref(n))
+    if not ptr or n.value == 0:
+        return np.zeros((0, n_vocab), np.float32)
+    return np.ctypeslib.as_array(ptr, shape=(n.value, n_vocab)).copy()
 
 
 def not_applied_reason() -> str:

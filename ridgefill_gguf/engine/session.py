@@ -58,6 +58,48 @@ class Session:
         for start in range(0, len(tokens), self.n_batch):
             self._decode(tokens[start:start + self.n_batch], start, False)
 
+    def _rows_logits(self, n: int) -> np.ndarray:
+        """The last decode's logits, all n of its rows."""
+        ptrs = [self.lc.llama_get_logits_ith(self.ctx, i) for i in range(n)]
+        return np.stack([np.ctypeslib.as_array(p, shape=(self.n_vocab,)).copy() for p in ptrs])
+
+    def stock_rows(self, tokens: list[int], n_last: int) -> np.ndarray:
+        """Logits of the last n_last prompt rows, stock prefill: [n_last, n_vocab]."""
+        self.clear()
+        self._stock_prefix(tokens[:-n_last])
+        return self._decode_rows(tokens[-n_last:], len(tokens) - n_last)
+
+    def ridgefill_rows(self, tokens: list[int], n_last: int, **params) -> tuple[np.ndarray, dict]:
+        """Logits of the last n_last prompt rows from the RidgeFill prefill itself (every token goes through it,
+        so fill=none is exact to the method for them too): ([n_last, n_vocab], stats)."""
+        self.bindings.configure(self.ctx, logits_rows=n_last, **params)
+        self.clear()
+        try:
+            if not self.bindings.prefill(self.ctx, tokens, n_following=0):
+                raise RuntimeError(f"RidgeFill did not apply: {self.bindings.not_applied_reason()}")
+            return self.bindings.logits(self.ctx, self.n_vocab), self.bindings.stats(self.ctx)
+        finally:
+            self.bindings.configure(self.ctx, logits_rows=0)
+
+    def _decode_rows(self, tokens: list[int], pos0: int) -> np.ndarray:
+        """Decode tokens with logits for every one of them, in batches: [n, n_vocab]."""
+        lc, out = self.lc, []
+        for start in range(0, len(tokens), self.n_batch):
+            part = tokens[start:start + self.n_batch]
+            batch = lc.llama_batch_init(len(part), 0, 1)
+            try:
+                for i, t in enumerate(part):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + start + i, 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = 1
+                batch.n_tokens = len(part)
+                if lc.llama_decode(self.ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+                out.append(self._rows_logits(len(part)))
+            finally:
+                lc.llama_batch_free(batch)
+        return np.concatenate(out)
+
     def _last_logits(self) -> np.ndarray:
         ptr = self.lc.llama_get_logits_ith(self.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
@@ -106,6 +148,14 @@ def run_spec(spec: dict) -> tuple[dict[str, np.ndarray], dict]:
     tokens = spec.get("tokens") or sess.tokenize(spec["prompt"], special=spec.get("special", False))
     arrays, stats = {"tokens": np.array(tokens, np.int32)}, {}
     for run in spec["runs"]:
+        if run.get("rows"):  # the last `rows` rows' logits, from the prefill itself
+            n_last = int(run["rows"])
+            if run.get("stock"):
+                arrays[run["name"]] = sess.stock_rows(tokens, n_last)
+                stats[run["name"]] = {"applied": 0}
+            else:
+                arrays[run["name"]], stats[run["name"]] = sess.ridgefill_rows(tokens, n_last, **run.get("params", {}))
+            continue
         if run.get("stock"):
             logits, seconds = sess.stock(tokens)
             st = {"applied": 0}
