@@ -358,6 +358,47 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
     click.echo("wrote " + ", ".join(result["files"]))
 
 
+@main.group("eval")
+def eval_group() -> None:
+    """The paper's quality instruments, paired against exact (`docs/eval.md`)."""
+
+
+@eval_group.command("nll")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False), help="the split comes from them")
+@click.option("--docs", "docs", multiple=True, required=True, type=click.Path(exists=True),
+              help="text files or folders of long documents (repeatable)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="results folder; a run that stopped resumes from it")
+@click.option("--arms", default="ridge,identity,none", show_default=True,
+              help="comma-separated: ridge, identity, none (and the checks plumb, oracle)")
+@click.option("--tail", default=1024, show_default=True)
+@click.option("--score", default=512, show_default=True, help="the last tokens of each document that are scored")
+@click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped")
+@click.option("--max-tokens", default=8192, show_default=True, help="documents are cut to this many tokens")
+@click.option("--max-docs", type=int, default=None)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0)
+def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_tokens, max_docs, threads,
+             n_gpu_layers) -> None:
+    """ΔNLL (arm minus exact) on all, novel and key tokens of long documents, with bootstrap intervals."""
+    from .engine.bindings import FILLS
+    from .eval.nll import NllOptions, run_nll
+
+    arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
+    bad = [a for a in arm_list if a not in FILLS]
+    if bad:
+        raise click.BadParameter(f"unknown arm(s) {', '.join(bad)}; expected some of {', '.join(FILLS)}",
+                                 param_hint="--arms")
+    opts = NllOptions(arms=arm_list, tail=tail, score=score, min_tokens=min_tokens, max_tokens=max_tokens,
+                      max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers)
+    try:
+        run_nll(model, maps, list(docs), out_dir, opts, log=click.echo)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo((out_dir / "summary.md").read_text())
+
+
 @main.command()
 @click.option("--model", "model_key", default=None,
               help="a model key of `ridgefill-gguf models` (default qwen2.5-coder-0.5b)")

@@ -30,7 +30,7 @@ class Session:
                                         flash_attn=flash_attn, n_threads=n_threads, n_threads_batch=n_threads,
                                         n_gpu_layers=n_gpu_layers, verbose=False, **kv)
         self.ctx, self.n_batch = self.llm.ctx, n_batch
-        self.n_vocab = self.lc.llama_n_vocab(self.lc.llama_model_get_vocab(self.llm.model))
+        self.n_vocab = self.lc.llama_vocab_n_tokens(self.lc.llama_model_get_vocab(self.llm.model))
         self.maps = bindings.load_maps(self.llm.model, maps, placement) if maps else None
         if self.maps:
             bindings.attach(self.ctx, self.maps)
