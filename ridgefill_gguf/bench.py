@@ -13,32 +13,17 @@ import json
 import os
 import statistics
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from .gguf_io import read_gguf
+from .random_gguf import ModelShape
 from .serve import Server
 from .util import hardware, write_atomic
 
 
-@dataclass(frozen=True)
-class Shape:
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, model: str | Path) -> "Shape":
-        g = read_gguf(model, skip_arrays=("tokenizer.",))
-        a = g.get("general.architecture")
-        n_embd, n_head = int(g.get(f"{a}.embedding_length")), int(g.get(f"{a}.attention.head_count"))
-        return cls(int(g.get(f"{a}.block_count")), n_embd, int(g.get(f"{a}.feed_forward_length")), n_head,
-                   int(g.get(f"{a}.attention.head_count_kv") or n_head),
-                   int(g.get(f"{a}.attention.key_length") or n_embd // n_head))
+# what the ceilings read of a model's shape, recorded with the results
+SHAPE_FIELDS = ("arch", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim")
 
 
 def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
@@ -47,7 +32,7 @@ def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
     return n * n_layer / ((n - t) * split + t * n_layer)
 
 
-def mac_ceiling(shape: Shape, n: int, split: int, n_filled: int, n_exact_rows: int, has_maps: bool = True) -> float:
+def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, has_maps: bool = True) -> float:
     """Exact prefill's multiply-accumulates over RidgeFill's (causal attention counted at average length).
 
     RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split)
@@ -83,7 +68,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
               threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
               label: str | None = None, min_prefix: int | None = None, extra: tuple[str, ...] = (),
               log: Callable[[str], None] = print) -> dict:
-    shape = Shape.of(model)
+    shape = ModelShape.from_gguf(model)
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
     text = text or default_text(6 * n_max)
@@ -95,7 +80,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
         """Written after every length, so a run cut short keeps what it measured."""
         result = {"benchmark": "time to first token, exact vs RidgeFill", "date": dt.date.today().isoformat(),
                   "hardware": hardware(), "model": str(model), "maps": str(maps), "split": split, "tail": tail,
-                  "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": shape.__dict__, "partial": partial,
+                  "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS}, "partial": partial,
                   "rows": rows}
         stem = f"{result['date']}-{label or Path(model).stem}"
         write_atomic(out_dir / f"{stem}.json", json.dumps(result, indent=2) + "\n")

@@ -23,7 +23,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, Keys
 
-from .gguf_io import RawField, read_gguf
+from .gguf_io import GGUFFile, RawField, read_gguf
 from .paths import vendor_dir
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen35")
@@ -66,6 +66,20 @@ class ModelShape:
     ssm_d_state: int = 128            # head_k_dim; llama.cpp also takes it as head_v_dim
     ssm_n_group: int = 16             # number of key heads
     ssm_dt_rank: int = 32             # number of value heads
+
+    @classmethod
+    def from_gguf(cls, model: str | Path | GGUFFile) -> "ModelShape":
+        """The attention/MLP shape of a model GGUF, or of its parsed header (recurrent settings keep defaults)."""
+        g = model if isinstance(model, GGUFFile) else read_gguf(model, skip_arrays=("tokenizer.",))
+        arch = g.get("general.architecture")
+        get = lambda k, d=None: g.get(f"{arch}.{k}", d)  # noqa: E731
+        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+        n_rot = get("rope.dimension_count")
+        return cls(arch, int(get("block_count")), n_embd, int(get("feed_forward_length")), n_head,
+                   int(get("attention.head_count_kv", n_head)), int(get("attention.key_length", n_embd // n_head)),
+                   n_ctx_train=int(get("context_length", 4096)), rope_theta=float(get("rope.freq_base", 10000.0)),
+                   rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+                   n_rot=None if n_rot is None else int(n_rot))
 
     @property
     def rot_dims(self) -> int:

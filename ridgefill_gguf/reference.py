@@ -8,28 +8,15 @@ With F32 weights, an F32 KV cache and flash attention off, logits agree with lla
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .gguf_io import read_gguf, tensor_f32
+from .random_gguf import ModelShape
 
 NEOX_ARCHS = ("qwen2", "qwen3")
 SUPPORTED = ("llama", "qwen2", "qwen3")
-
-
-@dataclass
-class Hparams:
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_rot: int
-    eps: float
-    freq_base: float
 
 
 class ReferenceModel:
@@ -38,12 +25,7 @@ class ReferenceModel:
         arch = self.g.get("general.architecture")
         if arch not in SUPPORTED:
             raise ValueError(f"the reference forward pass supports {SUPPORTED}, not '{arch}'")
-        get = lambda k, d=None: self.g.get(f"{arch}.{k}", d)  # noqa: E731
-        n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
-        self.hp = Hparams(arch, int(get("block_count")), n_embd, n_head, int(get("attention.head_count_kv", n_head)),
-                          head_dim, int(get("rope.dimension_count", head_dim)),
-                          float(get("attention.layer_norm_rms_epsilon")), float(get("rope.freq_base", 10000.0)))
+        self.hp = ModelShape.from_gguf(self.g)
         self._w: dict[str, np.ndarray] = {}
 
     def w(self, name: str) -> np.ndarray | None:
@@ -55,13 +37,13 @@ class ReferenceModel:
 
     def rms(self, x: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
         mean = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
-        y = x * (np.float32(1.0) / np.sqrt((mean + self.hp.eps).astype(np.float32)))
+        y = x * (np.float32(1.0) / np.sqrt((mean + self.hp.rms_eps).astype(np.float32)))
         return y if weight is None else y * weight
 
     def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """x [n, heads, head_dim]; angles built as ggml does: theta = p, then theta *= theta_scale per pair."""
-        n_rot = self.hp.n_rot
-        theta_scale = np.float32(self.hp.freq_base) ** np.float32(-2.0 / n_rot)
+        n_rot = self.hp.rot_dims
+        theta_scale = np.float32(self.hp.rope_theta) ** np.float32(-2.0 / n_rot)
         theta = np.empty((len(pos), n_rot // 2), np.float32)
         t = pos.astype(np.float32)
         for i in range(n_rot // 2):

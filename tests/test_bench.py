@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import require_builds
-from ridgefill_gguf.bench import Shape, layer_ceiling, mac_ceiling, run_bench
+from ridgefill_gguf.bench import layer_ceiling, mac_ceiling, run_bench
+from ridgefill_gguf.random_gguf import ModelShape
 from ridgefill_gguf.maps.synthetic import write_random_maps
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
 
@@ -20,7 +21,7 @@ def test_the_layer_ceiling_matches_the_papers_flash_next_numbers():
 
 
 def test_the_mac_ceiling_is_one_when_nothing_is_filled_and_grows_with_the_filled_share():
-    shape = Shape(36, 4096, 12288, 32, 8, 128)
+    shape = ModelShape("qwen3", 36, 4096, 12288, 32, 8, 128)
     assert mac_ceiling(shape, 16384, 13, 0, 16384) == pytest.approx(1.0)
     low = mac_ceiling(shape, 16384, 13, 8192, 8192)
     high = mac_ceiling(shape, 16384, 13, 12288, 4096)
