@@ -39,14 +39,15 @@ class Session:
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=add_bos, special=special)
 
-    def _decode(self, tokens: list[int], pos0: int, want_last: bool) -> None:
+    def _decode(self, tokens: list[int], pos0: int, want: str | None = None) -> None:
+        """One llama_decode; logits for no row, the last row (want="last") or every row (want="all")."""
         lc, n = self.lc, len(tokens)
         batch = lc.llama_batch_init(n, 0, 1)
         try:
             for i, t in enumerate(tokens):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
                 batch.seq_id[i][0] = 0
-                batch.logits[i] = int(want_last and i == n - 1)
+                batch.logits[i] = int(want == "all" or (want == "last" and i == n - 1))
             batch.n_tokens = n
             rc = lc.llama_decode(self.ctx, batch)
             if rc != 0:
@@ -56,7 +57,7 @@ class Session:
 
     def _stock_prefix(self, tokens: list[int]) -> None:
         for start in range(0, len(tokens), self.n_batch):
-            self._decode(tokens[start:start + self.n_batch], start, False)
+            self._decode(tokens[start:start + self.n_batch], start)
 
     def _rows_logits(self, n: int) -> np.ndarray:
         """The last decode's logits, all n of its rows."""
@@ -83,21 +84,11 @@ class Session:
 
     def _decode_rows(self, tokens: list[int], pos0: int) -> np.ndarray:
         """Decode tokens with logits for every one of them, in batches: [n, n_vocab]."""
-        lc, out = self.lc, []
+        out = []
         for start in range(0, len(tokens), self.n_batch):
             part = tokens[start:start + self.n_batch]
-            batch = lc.llama_batch_init(len(part), 0, 1)
-            try:
-                for i, t in enumerate(part):
-                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + start + i, 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = 1
-                batch.n_tokens = len(part)
-                if lc.llama_decode(self.ctx, batch) != 0:
-                    raise RuntimeError("llama_decode failed")
-                out.append(self._rows_logits(len(part)))
-            finally:
-                lc.llama_batch_free(batch)
+            self._decode(part, pos0 + start, "all")
+            out.append(self._rows_logits(len(part)))
         return np.concatenate(out)
 
     def _last_logits(self) -> np.ndarray:
@@ -112,7 +103,7 @@ class Session:
         self.clear()
         t0 = time.perf_counter()
         self._stock_prefix(tokens[:-1])
-        self._decode(tokens[-1:], len(tokens) - 1, True)
+        self._decode(tokens[-1:], len(tokens) - 1, "last")
         return self._last_logits(), time.perf_counter() - t0
 
     def ridgefill(self, tokens: list[int], **params) -> tuple[np.ndarray, float, dict]:
@@ -127,7 +118,7 @@ class Session:
         reason = "" if applied else self.bindings.not_applied_reason()
         if not applied:
             self._stock_prefix(tokens[:-1])
-        self._decode(tokens[-1:], len(tokens) - 1, True)
+        self._decode(tokens[-1:], len(tokens) - 1, "last")
         seconds = time.perf_counter() - t0
         stats = self.bindings.stats(self.ctx)
         stats["reason"] = reason
