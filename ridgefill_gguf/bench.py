@@ -76,10 +76,12 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    hw = hardware()
+
     def save(partial: bool) -> dict:
         """Written after every length, so a run cut short keeps what it measured."""
         result = {"benchmark": "time to first token, exact vs RidgeFill", "date": dt.date.today().isoformat(),
-                  "hardware": hardware(), "model": str(model), "maps": str(maps), "split": split, "tail": tail,
+                  "hardware": hw, "model": str(model), "maps": str(maps), "split": split, "tail": tail,
                   "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS}, "partial": partial,
                   "rows": rows}
         stem = f"{result['date']}-{label or Path(model).stem}"
