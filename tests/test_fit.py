@@ -69,6 +69,34 @@ print(max(float(np.abs(a[l] - b[l]).max() / np.abs(a[l]).max()) for l in a), len
     assert int(n) > 300 and float(rel) < 1e-4
 
 
+def test_capture_into_torch_tensors_gives_the_rows_and_sums_of_the_numpy_path(tiny_models):
+    """The GPU path (rows copied from llama.cpp's buffer into torch tensors, summed by torch) is the numpy
+    path with another container: run here with device="cpu", on the GPU machine with "cuda"."""
+    require_builds("ridgefill")
+    code = f"""
+import numpy as np
+from ridgefill_gguf.fit.capture import Capturer
+from ridgefill_gguf.fit.sums import SplitSums
+cap = Capturer({str(tiny_models['qwen3'])!r}, 0, n_ctx=1024, n_batch=64, n_threads=2)
+tokens = cap.tokenize({TEXT!r}, 300)
+sums = []
+for device in (None, "cpu"):
+    got = cap.capture(tokens, [0], stride=2, device=device)
+    rows = got.splits[0]
+    ss = SplitSums(0, sorted(rows.ys), cap.n_embd, cap.n_embd)
+    ss.add(rows.x, rows.ys)
+    sums.append((ss.flush(), got.excluded[0]))
+cap.close()
+(a, ea), (b, eb) = sums
+assert ea == eb and a.n == b.n > 100, (ea, eb, a.n, b.n)
+print(max(float(np.abs(a.xtx - b.xtx).max() / np.abs(a.xtx).max()),
+          float(np.abs(a.sum_x - b.sum_x).max() / np.abs(a.sum_x).max()),
+          max(float(np.abs(a.xty[l] - b.xty[l]).max() / np.abs(a.xty[l]).max()) for l in a.layers)))
+"""
+    rel = float(run_py(code, "ridgefill").stdout.split()[-1])
+    assert rel < 1e-5
+
+
 def test_lambda_selection_picks_the_small_end_on_clean_data_and_the_large_end_on_few_noisy_rows():
     class NoAttention:  # scores by the input cosine, as for a layer without attention
         def kv(self, layer, x):

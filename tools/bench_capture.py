@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from ridgefill_gguf.fit.capture import Capturer, iter_documents  # noqa: E402
+import torch  # noqa: E402
+
+from ridgefill_gguf.fit.capture import Capturer, iter_documents, sums_device  # noqa: E402
 from ridgefill_gguf.fit.solve import solve  # noqa: E402
 from ridgefill_gguf.fit.sums import SplitSums  # noqa: E402
 from ridgefill_gguf.util import hardware, write_atomic  # noqa: E402
@@ -57,9 +59,11 @@ def main() -> int:
         for layer in cap.layers:
             cap.bindings.capture_layer_input(cap.ctx, layer, True)
         t0 = time.perf_counter()
-        got = cap.capture(tokens, args.splits)
+        got = cap.capture(tokens, args.splits, device=sums_device())
         for s, rows in got.splits.items():
             sums[s].add(rows.x, rows.ys)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the sums run asynchronously on the GPU
         capture.append(len(tokens) / (time.perf_counter() - t0))
         print(f"bench: {Path(doc.name).name}: plain {plain[-1]:.0f} tokens/s, capture {capture[-1]:.0f} tokens/s",
               flush=True)

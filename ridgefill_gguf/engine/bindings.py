@@ -226,12 +226,18 @@ def capture_layer_input(ctx, layer: int, enable: bool = True) -> None:
         raise ValueError(f"layer {layer} is outside the model's layers")
 
 
-def get_layer_input(ctx, layer: int, n_tokens: int, n_embd: int) -> np.ndarray:
-    """A copy of layer `layer`'s inputs for the last decode: float32 [n_tokens, n_embd]."""
+def layer_input_view(ctx, layer: int, n_tokens: int, n_embd: int) -> np.ndarray:
+    """Layer `layer`'s inputs for the last decode, float32 [n_tokens, n_embd], as a view of llama.cpp's output
+    buffer (pinned host memory on a GPU): valid until the next decode."""
     ptr = _bound().llama_ridgefill_get_layer_input(ctx, layer)
     if not ptr:
         raise RuntimeError(f"no captured input for layer {layer}: enable capture, then decode")
-    return np.ctypeslib.as_array(ptr, shape=(n_tokens, n_embd)).copy()
+    return np.ctypeslib.as_array(ptr, shape=(n_tokens, n_embd))
+
+
+def get_layer_input(ctx, layer: int, n_tokens: int, n_embd: int) -> np.ndarray:
+    """A copy of layer `layer`'s inputs for the last decode: float32 [n_tokens, n_embd]."""
+    return layer_input_view(ctx, layer, n_tokens, n_embd).copy()
 
 
 def load() -> RidgeFillLib:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import torch
 
 OUTLIER_FACTOR = 8.0
 
@@ -104,24 +105,37 @@ class Capturer:
     def tokenize(self, text: str, max_tokens: int) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=True, special=False)[:max_tokens]
 
-    def run(self, tokens: list[int]) -> dict[int, np.ndarray]:
-        """Every captured layer's inputs for a whole token sequence: {layer: [n, d]} float32."""
+    def run(self, tokens: list[int], device: str | None = None) -> dict:
+        """Every captured layer's inputs for a whole token sequence, {layer: [n, d]} float32: numpy arrays, or
+        torch tensors on `device` ("cuda"), copied there straight from llama.cpp's pinned output buffer (on a
+        GPU the host copies, not the model, would otherwise set the capture's speed)."""
         self.llm.reset()  # the next eval drops every cached position from 0 on
-        parts: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
-        for start in range(0, len(tokens), self.n_batch):
+        n, d = len(tokens), self.n_embd
+        if device is None:
+            out = {layer: np.empty((n, d), np.float32) for layer in self.layers}
+        else:
+            out = {layer: torch.empty((n, d), dtype=torch.float32, device=device) for layer in self.layers}
+        for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             self.llm.eval(chunk)
             for layer in self.layers:
-                parts[layer].append(self.bindings.get_layer_input(self.ctx, layer, len(chunk), self.n_embd))
-        return {layer: np.concatenate(p) for layer, p in parts.items()}
+                view = self.bindings.layer_input_view(self.ctx, layer, len(chunk), d)
+                if device is None:
+                    out[layer][start:start + len(chunk)] = view
+                else:
+                    out[layer][start:start + len(chunk)].copy_(torch.from_numpy(view))
+        return out
 
-    def capture(self, tokens: list[int], splits: list[int], stride: int = 1) -> DocCapture:
-        inputs = self.run(tokens)
+    def capture(self, tokens: list[int], splits: list[int], stride: int = 1, device: str | None = None) -> DocCapture:
+        """The rows that enter the sums, per split; on `device` (torch tensors) or as numpy arrays."""
+        inputs = self.run(tokens, device)
         control = np.array([self._is_control(t) for t in tokens])
         out = DocCapture(len(tokens), {})
         for split in splits:
             keep, out.excluded[split] = row_mask(inputs[split], control)
             keep &= (np.arange(len(tokens)) % stride) == 0
+            if device is not None:
+                keep = torch.from_numpy(keep).to(device)
             out.splits[split] = CapturedRows(split, inputs[split][keep],
                                              {layer: inputs[layer][keep] for layer in self.layers
                                               if layer > split})
@@ -131,7 +145,19 @@ class Capturer:
         self.llm.close()
 
 
-def row_mask(x_split: np.ndarray, control: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
+def sums_device() -> str | None:
+    """Where captured rows go before the sums: the GPU when torch sees one (SplitSums sums there too)."""
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def row_norms(x) -> np.ndarray:
+    """Float64 row norms of a numpy array or a torch tensor (computed where the tensor lives)."""
+    if isinstance(x, np.ndarray):
+        return np.linalg.norm(x.astype(np.float64), axis=1)
+    return x.double().norm(dim=1).cpu().numpy()
+
+
+def row_mask(x_split, control: np.ndarray) -> tuple[np.ndarray, dict[str, int]]:
     """Which rows enter the sums, and how many each rule left out (a row counts under its first rule)."""
     n = len(x_split)
     keep = np.ones(n, dtype=bool)
@@ -142,7 +168,7 @@ def row_mask(x_split: np.ndarray, control: np.ndarray) -> tuple[np.ndarray, dict
     special = control & keep
     reasons["special"] = int(special.sum())
     keep &= ~control
-    norms = np.linalg.norm(x_split.astype(np.float64), axis=1)
+    norms = row_norms(x_split)
     if keep.any():
         median = float(np.median(norms[keep]))
         outlier = keep & (norms > OUTLIER_FACTOR * median)

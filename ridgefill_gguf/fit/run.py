@@ -13,7 +13,7 @@ import numpy as np
 from ..maps import format as fmt
 from ..maps.convert import encode
 from ..util import write_atomic
-from .capture import Capturer, iter_documents
+from .capture import Capturer, iter_documents, sums_device
 from .score import CacheProjector, LayerScore, score_layer
 from .solve import DEFAULT_LAMBDAS, solve
 from .sums import CaptureState, SplitSums
@@ -103,7 +103,7 @@ def capture_calibration(cap: Capturer, docs, state: CaptureState, opts: FitOptio
             log(f"fit: reached --max-rows {opts.max_rows}")
             break
         tokens = cap.tokenize(doc.text, opts.max_doc_tokens)
-        got = cap.capture(tokens, opts.splits, opts.stride)
+        got = cap.capture(tokens, opts.splits, opts.stride, device=sums_device())
         for split, rows in got.splits.items():
             state.splits[split].add(rows.x, rows.ys)
         for split, reasons in got.excluded.items():

@@ -45,26 +45,34 @@ class SplitSums:
                 self._sum_y_all[cols], self._xty_all[:, cols] = self.sum_y[layer], self.xty[layer]
             self.sum_y[layer], self.xty[layer] = self._sum_y_all[cols], self._xty_all[:, cols]
 
-    def add(self, x: np.ndarray, ys: dict[int, np.ndarray]) -> None:
-        """Add rows: x [n, d_in] is layer S's input, ys[l] [n, d_out] layer l's input, float32."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+    def add(self, x, ys: dict) -> None:
+        """Add rows: x [n, d_in] is layer S's input, ys[l] [n, d_out] layer l's input, float32; numpy arrays, or
+        torch tensors already on the GPU (the capture's fast path)."""
+        on_gpu = isinstance(x, torch.Tensor)
+        if not on_gpu:
+            x = np.ascontiguousarray(x, dtype=np.float32)
         if not len(x):
             return
         self.n += len(x)
-        self.sum_x += x.sum(axis=0, dtype=np.float64)
-        if torch.cuda.is_available():
+        if on_gpu or torch.cuda.is_available():
             # on a GPU the products are ~100x faster; the float64 sums stay there until flush()
-            xt = torch.from_numpy(x).cuda()
-            y = torch.cat([torch.from_numpy(np.ascontiguousarray(ys[layer], dtype=np.float32)).cuda()
-                           for layer in self.layers], dim=1)
+            def gpu(a):
+                return a.float() if isinstance(a, torch.Tensor) else torch.from_numpy(
+                    np.ascontiguousarray(a, dtype=np.float32)).cuda()
+
+            xt = gpu(x)
+            y = torch.cat([gpu(ys[layer]) for layer in self.layers], dim=1)
             if self._gpu is None:
-                self._gpu = [torch.zeros(self.xtx.shape, dtype=torch.float64, device="cuda"),
-                             torch.zeros(self._xty_all.shape, dtype=torch.float64, device="cuda"),
-                             torch.zeros(self._sum_y_all.shape, dtype=torch.float64, device="cuda")]
+                self._gpu = [torch.zeros(self.xtx.shape, dtype=torch.float64, device=xt.device),
+                             torch.zeros(self._xty_all.shape, dtype=torch.float64, device=xt.device),
+                             torch.zeros(self._sum_y_all.shape, dtype=torch.float64, device=xt.device),
+                             torch.zeros(self.sum_x.shape, dtype=torch.float64, device=xt.device)]
             self._gpu[0].add_(xt.T @ xt)
             self._gpu[1].add_(xt.T @ y)
             self._gpu[2].add_(y.sum(dim=0, dtype=torch.float64))
+            self._gpu[3].add_(xt.sum(dim=0, dtype=torch.float64))
             return
+        self.sum_x += x.sum(axis=0, dtype=np.float64)
         # float32 products in one call for all layers, widened into the float64 sums in place (torch does
         # the mixed-precision add several times faster than numpy)
         xt = torch.from_numpy(x)
@@ -80,6 +88,7 @@ class SplitSums:
             self.xtx += self._gpu[0].cpu().numpy()
             self._xty_all += self._gpu[1].cpu().numpy()
             self._sum_y_all += self._gpu[2].cpu().numpy()
+            self.sum_x += self._gpu[3].cpu().numpy()
             self._gpu = None
         return self
 

@@ -17,7 +17,7 @@ maps="$work/qwen3-8b-q8_0.S13.maps.gguf"
     [ -f "$maps" ] || python3 -m ridgefill_gguf.maps.synthetic --model "$model" --split 13 -o "$maps"
 ) > "$work/prepare-8b.log" 2>&1 &
 gen=$!
-RIDGEFILL_GPU_TREES=${RIDGEFILL_GPU_TREES:-ridgefill} bash "$repo/tools/gpu/build-and-test.sh" --build-only
+RIDGEFILL_GPU_TREES=${RIDGEFILL_GPU_TREES:-ridgefill upstream} bash "$repo/tools/gpu/build-and-test.sh" --build-only
 wait $gen || { tail -20 "$work/prepare-8b.log"; exit 1; }
 tail -3 "$work/prepare-8b.log"
 ls -la "$model" "$maps"
