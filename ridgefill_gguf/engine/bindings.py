@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 2
+API_VERSION = 3
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -41,6 +41,9 @@ _SIGNATURES = {
     "llama_ridgefill_arch_supported": (ctypes.c_bool, [ctypes.c_void_p]),
     "llama_ridgefill_capture_layer_input": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]),
     "llama_ridgefill_get_layer_input": (ctypes.POINTER(ctypes.c_float), [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_capture_on_device": (None, [ctypes.c_void_p, ctypes.c_bool]),
+    "llama_ridgefill_get_layer_input_device": (ctypes.c_void_p,
+                                               [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_bool)]),
     "llama_ridgefill_maps_load": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]),
     "llama_ridgefill_maps_free": (None, [ctypes.c_void_p]),
     "llama_ridgefill_last_error": (ctypes.c_char_p, []),
@@ -233,6 +236,35 @@ def layer_input_view(ctx, layer: int, n_tokens: int, n_embd: int) -> np.ndarray:
     if not ptr:
         raise RuntimeError(f"no captured input for layer {layer}: enable capture, then decode")
     return np.ctypeslib.as_array(ptr, shape=(n_tokens, n_embd))
+
+
+def capture_on_device(ctx, enable: bool = True) -> None:
+    """Keep captured layer inputs on the device that computes each layer (read them with layer_input_tensor)."""
+    _bound().llama_ridgefill_capture_on_device(ctx, enable)
+
+
+class _CudaArray:
+    """A CUDA device pointer shown to torch through __cuda_array_interface__ (no copy)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, int]):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+def layer_input_tensor(ctx, layer: int, n_tokens: int, n_embd: int):
+    """With capture on the device: layer `layer`'s inputs for the last decode as a torch tensor [n_tokens, n_embd]
+    over llama.cpp's own buffer (a CUDA tensor, or a CPU one for CPU layers); valid until the next decode."""
+    import torch  # noqa: PLC0415 - only the fit needs torch
+
+    on_host = ctypes.c_bool(False)
+    ptr = _bound().llama_ridgefill_get_layer_input_device(ctx, layer, ctypes.byref(on_host))
+    if not ptr:
+        raise RuntimeError(f"no captured input for layer {layer} on the device: enable capture on the device, "
+                           "then decode")
+    if on_host.value:
+        array = (ctypes.c_float * (n_tokens * n_embd)).from_address(ptr)
+        return torch.from_numpy(np.ctypeslib.as_array(array).reshape(n_tokens, n_embd))
+    return torch.as_tensor(_CudaArray(ptr, (n_tokens, n_embd)), device="cuda")
 
 
 def get_layer_input(ctx, layer: int, n_tokens: int, n_embd: int) -> np.ndarray:

@@ -107,23 +107,26 @@ class Capturer:
 
     def run(self, tokens: list[int], device: str | None = None) -> dict:
         """Every captured layer's inputs for a whole token sequence, {layer: [n, d]} float32: numpy arrays, or
-        torch tensors on `device` ("cuda"), copied there straight from llama.cpp's pinned output buffer (on a
-        GPU the host copies, not the model, would otherwise set the capture's speed)."""
+        torch tensors on `device` ("cuda"), copied there from llama.cpp's buffers on the device that computed them
+        (on a GPU two host crossings per row, not the model, would otherwise set the capture's speed)."""
         self.llm.reset()  # the next eval drops every cached position from 0 on
         n, d = len(tokens), self.n_embd
         if device is None:
             out = {layer: np.empty((n, d), np.float32) for layer in self.layers}
         else:
             out = {layer: torch.empty((n, d), dtype=torch.float32, device=device) for layer in self.layers}
+        # on a device, llama.cpp keeps the rows where it computed them: no crossing to the host and back
+        self.bindings.capture_on_device(self.ctx, device is not None)
         for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             self.llm.eval(chunk)
             for layer in self.layers:
-                view = self.bindings.layer_input_view(self.ctx, layer, len(chunk), d)
                 if device is None:
-                    out[layer][start:start + len(chunk)] = view
+                    out[layer][start:start + len(chunk)] = self.bindings.layer_input_view(self.ctx, layer,
+                                                                                         len(chunk), d)
                 else:
-                    out[layer][start:start + len(chunk)].copy_(torch.from_numpy(view))
+                    out[layer][start:start + len(chunk)].copy_(
+                        self.bindings.layer_input_tensor(self.ctx, layer, len(chunk), d))
         return out
 
     def capture(self, tokens: list[int], splits: list[int], stride: int = 1, device: str | None = None) -> DocCapture:
