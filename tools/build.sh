@@ -2,7 +2,7 @@
 # Configure (once) and build one llama.cpp tree: the shared libllama/ggml libraries,
 # llama-server, llama-cli and llama-perplexity. CUDA when nvcc and a GPU are present.
 #   tools/build.sh SOURCE_DIR BUILD_DIR
-# Environment: CUDA_ARCH (default 90), RIDGEFILL_CUDA=0|1 (default: auto),
+# Environment: CUDA_ARCH (default 90), RIDGEFILL_CUDA=0|1 (default: auto), TARGETS (default: the list below),
 #              JOBS (default: nproc), EXTRA_CMAKE_ARGS.
 set -euo pipefail
 src=${1:?usage: tools/build.sh SOURCE_DIR BUILD_DIR}
@@ -43,4 +43,5 @@ if [ ! -f "$out/CMakeCache.txt" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" 
     printf '%s' "$want" >"$stamp"
 fi
 echo "build: $out ($jobs jobs)"
-cmake --build "$out" -j "$jobs" --target llama ggml llama-server llama-cli llama-perplexity
+# shellcheck disable=SC2086
+cmake --build "$out" -j "$jobs" --target ${TARGETS:-llama ggml llama-server llama-cli llama-perplexity}

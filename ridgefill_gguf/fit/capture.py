@@ -14,6 +14,7 @@ Each exclusion is counted by reason.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,23 +112,40 @@ class Capturer:
         (on a GPU two host crossings per row, not the model, would otherwise set the capture's speed)."""
         self.llm.reset()  # the next eval drops every cached position from 0 on
         n, d = len(tokens), self.n_embd
-        if device is None:
-            out = {layer: np.empty((n, d), np.float32) for layer in self.layers}
-        else:
-            out = {layer: torch.empty((n, d), dtype=torch.float32, device=device) for layer in self.layers}
+        # on a GPU the copies run on a side stream: waiting for them before the next decode (which overwrites
+        # llama.cpp's rows) then does not wait for the previous document's sums, which overlap this prefill
+        stream = self._copy_stream(device)
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            out = ({layer: np.empty((n, d), np.float32) for layer in self.layers} if device is None else
+                   {layer: torch.empty((n, d), dtype=torch.float32, device=device) for layer in self.layers})
+        if stream:
+            for t in out.values():  # read later on the default stream: freed only after those reads
+                t.record_stream(torch.cuda.current_stream(device))
         # on a device, llama.cpp keeps the rows where it computed them: no crossing to the host and back
         self.bindings.capture_on_device(self.ctx, device is not None)
         for start in range(0, n, self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             self.llm.eval(chunk)
-            for layer in self.layers:
-                if device is None:
-                    out[layer][start:start + len(chunk)] = self.bindings.layer_input_view(self.ctx, layer,
-                                                                                         len(chunk), d)
-                else:
-                    out[layer][start:start + len(chunk)].copy_(
-                        self.bindings.layer_input_tensor(self.ctx, layer, len(chunk), d))
+            with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                for layer in self.layers:
+                    if device is None:
+                        out[layer][start:start + len(chunk)] = self.bindings.layer_input_view(
+                            self.ctx, layer, len(chunk), d)
+                    else:
+                        out[layer][start:start + len(chunk)].copy_(
+                            self.bindings.layer_input_tensor(self.ctx, layer, len(chunk), d))
+            if stream:
+                stream.synchronize()
+        if stream:
+            torch.cuda.current_stream(device).wait_stream(stream)
         return out
+
+    def _copy_stream(self, device: str | None):
+        if device is None or torch.device(device).type != "cuda":
+            return None
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
 
     def capture(self, tokens: list[int], splits: list[int], stride: int = 1, device: str | None = None) -> DocCapture:
         """The rows that enter the sums, per split; on `device` (torch tensors) or as numpy arrays."""
