@@ -382,18 +382,93 @@ def eval_group() -> None:
 def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_tokens, max_docs, threads,
              n_gpu_layers) -> None:
     """ΔNLL (arm minus exact) on all, novel and key tokens of long documents, with bootstrap intervals."""
-    from .engine.bindings import FILLS
     from .eval.nll import NllOptions, run_nll
 
-    arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
-    bad = [a for a in arm_list if a not in FILLS]
-    if bad:
-        raise click.BadParameter(f"unknown arm(s) {', '.join(bad)}; expected some of {', '.join(FILLS)}",
-                                 param_hint="--arms")
-    opts = NllOptions(arms=arm_list, tail=tail, score=score, min_tokens=min_tokens, max_tokens=max_tokens,
+    opts = NllOptions(arms=_arms(arms), tail=tail, score=score, min_tokens=min_tokens, max_tokens=max_tokens,
                       max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers)
     try:
         run_nll(model, maps, list(docs), out_dir, opts, log=click.echo)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo((out_dir / "summary.md").read_text())
+
+
+def _arms(arms: str) -> tuple[str, ...]:
+    from .engine.bindings import FILLS
+
+    arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
+    bad = [a for a in arm_list if a not in FILLS]
+    if bad or not arm_list:
+        raise click.BadParameter(f"unknown arm(s) {', '.join(bad) or '(none)'}; expected some of {', '.join(FILLS)}",
+                                 param_hint="--arms")
+    return arm_list
+
+
+def _ints(text: str, hint: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x.strip().lower().replace("k", "000")) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"'{text}' is not a comma-separated list of token counts", param_hint=hint) from None
+    if not values or min(values) <= 0:
+        raise click.BadParameter(f"'{text}': give positive token counts", param_hint=hint)
+    return values
+
+
+@eval_group.command("needles")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", "maps", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
+              help="maps file(s); each gives a split (repeatable)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="results folder; a run that stopped resumes from it")
+@click.option("--tasks", default=",".join(("single", "multikey", "multivalue", "multiquery")), show_default=True)
+@click.option("--lengths", default="4096", show_default=True, help="prompt lengths in the model's tokens, e.g. 4k,8k")
+@click.option("--samples", default=10, show_default=True, help="samples per task and length")
+@click.option("--tail", "tails", multiple=True, type=int, default=(1024,), show_default=True,
+              help="exact tail T (repeatable)")
+@click.option("--arms", default="ridge,identity,none", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["auto", "chat", "completion"]), default="auto",
+              show_default=True, help="auto: chat when the model has a chat template")
+@click.option("--seed", default=0, show_default=True)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0)
+def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, fmt, seed, threads, n_gpu_layers) -> None:
+    """RULER-style retrieval; accuracy on the samples whose needles lie in the filled region, paired against exact."""
+    from .eval.needles import NeedleOptions, run_needles
+
+    opts = NeedleOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                         lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
+                         arms=_arms(arms), fmt=fmt, seed=seed, threads=threads, n_gpu_layers=n_gpu_layers)
+    try:
+        run_needles(model, list(maps), out_dir, opts, log=click.echo)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo((out_dir / "summary.md").read_text())
+
+
+@eval_group.command("agreement")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False), help="the split comes from them")
+@click.option("--docs", "docs", multiple=True, required=True, type=click.Path(exists=True),
+              help="text files or folders of long documents (repeatable)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="results folder; a run that stopped resumes from it")
+@click.option("--arms", default="ridge,identity,none", show_default=True)
+@click.option("--tail", default=1024, show_default=True)
+@click.option("--continue-tokens", default=256, show_default=True, help="length of the exact greedy continuation")
+@click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped")
+@click.option("--max-tokens", default=8192, show_default=True, help="documents are cut to this many tokens")
+@click.option("--max-docs", type=int, default=None)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0)
+def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_tokens, max_tokens, max_docs,
+                   threads, n_gpu_layers) -> None:
+    """KL(exact || arm) and top-1 agreement along the exact greedy continuation, with bootstrap intervals."""
+    from .eval.agreement import AgreementOptions, run_agreement
+
+    opts = AgreementOptions(arms=_arms(arms), tail=tail, continue_tokens=continue_tokens, min_tokens=min_tokens,
+                            max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers)
+    try:
+        run_agreement(model, maps, list(docs), out_dir, opts, log=click.echo)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     click.echo((out_dir / "summary.md").read_text())

@@ -78,3 +78,98 @@ def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
     run_nll(model, maps, [docs], tmp_path / "out", opts, log=logs.append)
     assert any("resuming, 3 documents done" in line for line in logs)
     assert not any(line.startswith("eval nll: document") for line in logs)
+
+
+def test_ruler_string_match_all_counts_the_share_of_expected_values_found():
+    from ridgefill_gguf.eval.needles import ruler_string_match_all
+
+    assert ruler_string_match_all("The number is 1234567.", ["1234567"]) == 1.0
+    assert ruler_string_match_all("the numbers are 111 and 333", ["111", "222", "333", "444"]) == 0.5
+    assert ruler_string_match_all("Nothing here", ["7654321"]) == 0.0
+    assert ruler_string_match_all("KEY-Word", ["key-word"]) == 1.0  # case-insensitive, as RULER
+
+
+def test_a_sample_is_filled_region_only_when_every_needle_lies_before_the_tail():
+    from ridgefill_gguf.eval.needles import Sample
+
+    s = Sample("single-4096-0", "multikey", 4096, 4000, ["1"], [[100, 120], [2900, 2920]], "x")
+    assert s.filled_region(1024)            # both end by row 2976
+    assert not s.filled_region(1100)        # the second needle ends at 2920 > 4000 - 1100
+    assert Sample("a", "single", 10, 10, ["1"], [[8, 10]], "x").filled_region(0)
+
+
+def test_needle_prompts_have_the_asked_length_and_put_each_needle_where_the_sample_says():
+    from ridgefill_gguf.eval.needles import TASKS, PromptBuilder
+
+    def tokenize(text: str) -> list[str]:  # a word tokenizer stands in for the model's
+        return ["<bos>"] + text.split()
+
+    builder = PromptBuilder(tokenize, None)
+    for task in TASKS:
+        sample, tokens = builder.build(task, 3000, 0, seed=7)
+        assert abs(len(tokens) - 3000) <= 30 and sample.n_tokens == len(tokens)
+        for first, end in sample.needle_rows:
+            assert tokens[first:first + 6] == ["One", "of", "the", "special", "magic", "numbers"]
+            assert tokens[end - 1].rstrip(".").isdigit()
+        assert all(a in " ".join(tokens) for a in sample.answers)
+        again, _ = builder.build(task, 3000, 0, seed=7)
+        other, _ = builder.build(task, 3000, 1, seed=7)
+        assert again == sample and other.answers != sample.answers
+    assert builder.build("multivalue", 3000, 0, seed=7)[0].answers.__len__() == 4
+    chat = PromptBuilder(tokenize, lambda msg: f"<user> {msg} <assistant>")
+    _, tokens = chat.build("single", 1000, 0, seed=1)
+    assert tokens[1] == "<user>" and "<assistant>The" in tokens  # the answer prefix opens the assistant turn
+
+
+def _tiny_model_and_maps(tmp_path):
+    from ridgefill_gguf.maps.synthetic import write_random_maps
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("qwen3"), n_layer=4), seed=9)
+    return model, write_random_maps(model, 1, tmp_path / "maps.gguf")
+
+
+def test_eval_needles_runs_every_arm_resumes_and_plumb_answers_as_exact(tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.eval.needles import NeedleOptions, run_needles
+
+    model, maps = _tiny_model_and_maps(tmp_path)
+    opts = NeedleOptions(tasks=("single", "multiquery"), lengths=(700,), samples=2, tails=(128,),
+                         arms=("plumb", "ridge", "none"), fmt="completion", threads=2, flash_attn=False)
+    logs = []
+    r = run_needles(model, [maps], tmp_path / "out", opts, log=logs.append)
+    answers = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert len(answers) == 4 * 4  # 4 samples x (exact + 3 arms)
+    by = {(a["sample"], a["arm"]): a for a in answers}
+    for sample in ("single-700-0", "single-700-1", "multiquery-700-0", "multiquery-700-1"):
+        assert by[(sample, "plumb")]["stats"]["applied"] == 1
+        assert by[(sample, "plumb")]["pred"] == by[(sample, "exact")]["pred"]
+        assert by[(sample, "ridge")]["stats"]["n_filled"] > 0
+    group = r["configs"]["S1-T128"]["groups"]["all tasks"]
+    assert group["samples"] == 4 and group["arms"]["plumb"]["delta_filled"]["n"] == group["filled_samples"]
+    assert (tmp_path / "out" / "summary.png").exists()
+    assert "| 1 | 128 | all tasks | 4 (" in (tmp_path / "out" / "summary.md").read_text()
+    logs.clear()
+    run_needles(model, [maps], tmp_path / "out", opts, log=logs.append)
+    assert any("resuming, 16 answers done" in line for line in logs)
+    assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 16
+
+
+def test_eval_agreement_gives_plumb_zero_kl_and_full_agreement_and_ridge_some_divergence(tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.eval.agreement import AgreementOptions, run_agreement
+
+    model, maps = _tiny_model_and_maps(tmp_path)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+    rng = np.random.default_rng(2)
+    for i in range(2):
+        (docs / f"d{i}.txt").write_text(" ".join(rng.choice(words, size=500)) + "\n")
+    opts = AgreementOptions(arms=("plumb", "ridge"), tail=128, continue_tokens=32, min_tokens=300, max_tokens=600,
+                            threads=2, flash_attn=False)
+    r = run_agreement(model, maps, [docs], tmp_path / "out", opts, log=lambda _: None)
+    assert r["documents"] == 2
+    assert r["summary"]["plumb"]["kl"]["mean"] < 1e-4 and r["summary"]["plumb"]["top1"]["mean"] == 1.0
+    assert r["summary"]["ridge"]["kl"]["mean"] > 10 * r["summary"]["plumb"]["kl"]["mean"]
+    assert (tmp_path / "out" / "summary.md").exists() and (tmp_path / "out" / "summary.png").exists()

@@ -9,6 +9,7 @@ runs the runs of a JSON spec (see `run_spec`) in a process of its own, since a p
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 from pathlib import Path
@@ -30,11 +31,66 @@ class Session:
                                         flash_attn=flash_attn, n_threads=n_threads, n_threads_batch=n_threads,
                                         n_gpu_layers=n_gpu_layers, verbose=False, **kv)
         self.ctx, self.n_batch = self.llm.ctx, n_batch
-        self.n_vocab = self.lc.llama_vocab_n_tokens(self.lc.llama_model_get_vocab(self.llm.model))
-        self.maps = bindings.load_maps(self.llm.model, maps, placement) if maps else None
-        if self.maps:
-            bindings.attach(self.ctx, self.maps)
+        self.vocab = self.lc.llama_model_get_vocab(self.llm.model)
+        self.n_vocab = self.lc.llama_vocab_n_tokens(self.vocab)
         self.bindings = bindings
+        self.maps = None                 # the attached maps
+        self._loaded: dict[tuple, object] = {}
+        if maps:
+            self.attach(maps, placement)
+
+    def attach(self, maps: str | Path, placement: str = "resident") -> None:
+        """Attach a maps file (loaded once per session and kept) for the next RidgeFill prefills."""
+        key = (str(maps), placement)
+        if key not in self._loaded:
+            self._loaded[key] = self.bindings.load_maps(self.llm.model, maps, placement)
+        self.maps = self._loaded[key]
+        self.bindings.attach(self.ctx, self.maps)
+
+    def chat_template(self) -> str | None:
+        """The model's default chat template, or None."""
+        t = self.lc.llama_model_chat_template(self.llm.model, None)
+        return t.decode() if t else None
+
+    def apply_chat_template(self, user: str) -> str:
+        """One user turn formatted by llama.cpp's chat templates, up to the assistant's answer."""
+        msg = (self.lc.llama_chat_message * 1)(self.lc.llama_chat_message(role=b"user", content=user.encode()))
+        tmpl = self.lc.llama_model_chat_template(self.llm.model, None)
+        size = len(user) * 2 + 1024
+        buf = ctypes.create_string_buffer(size)
+        n = self.lc.llama_chat_apply_template(tmpl, msg, 1, True, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = self.lc.llama_chat_apply_template(tmpl, msg, 1, True, buf, n)
+        if n < 0:
+            raise RuntimeError("llama.cpp cannot apply this model's chat template")
+        return buf.raw[:n].decode()
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.llm.detokenize(tokens).decode(errors="replace")
+
+    def follow(self, logits: np.ndarray, pos: int, n: int,
+               tokens: list[int] | None = None) -> tuple[list[int], np.ndarray]:
+        """Continue after a prefill whose last row gave `logits`, from position `pos`: greedily for up to n tokens
+        (tokens=None; stops before an end-of-generation token) or along `tokens`. Every step runs the full model.
+        Returns (the tokens, their logits [len, n_vocab]: row i is the distribution token i was taken from)."""
+        out: list[int] = []
+        rows: list[np.ndarray] = []
+        steps = n if tokens is None else len(tokens)
+        for i in range(steps):
+            t = int(np.argmax(logits)) if tokens is None else int(tokens[i])
+            if tokens is None and self.lc.llama_vocab_is_eog(self.vocab, t):
+                break
+            out.append(t)
+            rows.append(logits)
+            if i + 1 < steps:
+                self._decode([t], pos + i, "last")
+                logits = self._last_logits()
+        return out, np.array(rows, dtype=np.float32).reshape(len(rows), self.n_vocab)
+
+    def greedy(self, logits: np.ndarray, pos: int, n: int) -> list[int]:
+        """The greedy continuation's tokens (see follow)."""
+        return self.follow(logits, pos, n)[0]
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=add_bos, special=special)
@@ -125,9 +181,11 @@ class Session:
         return self._last_logits(), seconds, stats
 
     def close(self) -> None:
-        if self.maps:
+        if self._loaded:
             self.bindings.attach(self.ctx, None)
-            self.maps.free()
+            for maps in self._loaded.values():
+                maps.free()
+            self._loaded.clear()
             self.maps = None
         self.llm.close()
 

@@ -1,0 +1,360 @@
+"""`ridgefill-gguf eval needles`: RULER-style retrieval, scored on the samples whose needles lie in the filled region.
+
+Tasks (RULER's NIAH family, paper §3.2), generated from a seed so that every arm sees the same prompts:
+  single      one needle ("One of the special magic numbers for <key> is: <7 digits>.") in a noise haystack;
+  multikey    four needles with different keys, the question asks for one;
+  multivalue  four needles with the same key, the question asks for all four values;
+  multiquery  four needles with different keys, the question asks for all four.
+Lengths count the model's own tokens. Instruct models (the GGUF has a chat template) get the question as a chat
+turn; base models a completion prompt. Both end with RULER's answer prefix. Answers are greedy, scored with
+RULER's string_match_all (the share of expected values that appear in the answer).
+
+The exact arm runs once per sample; each configuration (maps file = split, tail T) runs the RidgeFill arms.
+A sample counts as filled-region for a configuration when every needle lies before the tail (rows < n - T).
+Results are appended per (sample, configuration, arm), so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..util import hardware, write_atomic
+from .stats import bootstrap_mean
+
+TASKS = ("single", "multikey", "multivalue", "multiquery")
+ARMS = ("ridge", "identity", "none")
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+N_NEEDLES = {"single": 1, "multikey": 4, "multivalue": 4, "multiquery": 4}
+MAX_NEW = {"single": 24, "multikey": 24, "multivalue": 64, "multiquery": 64}
+# two-word keys, as RULER's word keys
+ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
+              "lively", "mellow", "noisy", "odd", "proud", "quiet", "rapid", "silent", "tidy", "upbeat", "vivid",
+              "witty", "young", "zealous", "bitter", "clever", "dim", "fuzzy", "grumpy")
+NOUNS = ("anchor", "badger", "candle", "dolphin", "engine", "falcon", "garden", "harbor", "island", "jacket",
+         "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "rocket", "saddle", "tunnel",
+         "umbrella", "violin", "walnut", "yacht", "zipper", "beacon", "canyon", "donkey", "ember", "fossil")
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    task: str
+    length: int                 # the asked length
+    n_tokens: int               # the prompt's tokens
+    answers: list[str]
+    needle_rows: list[list[int]]  # [first, end) prompt rows of each needle
+    prompt_sha: str
+
+    def filled_region(self, tail: int) -> bool:
+        """Every needle before the tail (the last `tail` prompt rows run exactly)."""
+        return all(end <= self.n_tokens - tail for _, end in self.needle_rows)
+
+
+def ruler_string_match_all(prediction: str, answers: list[str]) -> float:
+    """RULER's string_match_all: the share of expected answers found in the prediction, case-insensitive."""
+    pred = prediction.lower()
+    return sum(a.lower() in pred for a in answers) / len(answers)
+
+
+def _question(task: str, keys: list[str]) -> tuple[str, str]:
+    """(question, answer prefix) as RULER words them."""
+    if task == "multivalue":
+        return (f"What are all the special magic numbers for {keys[0]} mentioned in the provided text?",
+                f"The special magic numbers for {keys[0]} mentioned in the provided text are")
+    if task == "multiquery":
+        ks = ", ".join(keys[:-1]) + f", and {keys[-1]}"
+        return (f"What are all the special magic numbers for {ks} mentioned in the provided text?",
+                f"The special magic numbers for {ks} mentioned in the provided text are")
+    return (f"What is the special magic number for {keys[0]} mentioned in the provided text?",
+            f"The special magic number for {keys[0]} mentioned in the provided text is")
+
+
+def make_needles(task: str, rng: random.Random) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """([(key, value)] in haystack order, the queried keys, the expected values)."""
+    pairs = rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], N_NEEDLES[task])
+    keys = [f"{a}-{n}" for a, n in pairs]
+    values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
+    if task == "multivalue":
+        keys = [keys[0]] * len(keys)
+    needles = list(zip(keys, values))
+    if task == "multikey":
+        q = rng.randrange(len(needles))
+        return needles, [keys[q]], [values[q]]
+    if task == "multivalue":
+        return needles, [keys[0]], values
+    return needles, keys, values  # single, multiquery
+
+
+class PromptBuilder:
+    """Builds prompts of a given token length with the model's tokenizer and (for instruct models) chat template."""
+
+    def __init__(self, tokenize: Callable[[str], list[int]], chat: Callable[[str], str] | None):
+        self.tokenize = tokenize   # text (with special markup) -> tokens, BOS included
+        self.chat = chat           # user message -> the formatted prompt up to the assistant's turn, or None
+        self.noise_tokens = len(tokenize(NOISE * 20)) / 20
+
+    def wrap(self, context: str, question: str, prefix: str) -> str:
+        body = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                f"I will quiz you about the numbers afterwards.\n{context}\n"
+                f"What are all the special magic numbers mentioned in the provided text? {question}")
+        if self.chat:
+            return self.chat(body) + prefix
+        return f"{body}\nAnswer: {prefix}"
+
+    def build(self, task: str, length: int, index: int, seed: int) -> tuple[Sample, list[int]]:
+        rng = random.Random(f"{seed}/{task}/{length}/{index}")
+        needles, keys, answers = make_needles(task, rng)
+        question, prefix = _question(task, keys)
+        needle_texts = [f"One of the special magic numbers for {k} is: {v}. " for k, v in needles]
+        overhead = len(self.tokenize(self.wrap("".join(needle_texts), question, prefix)))
+        n_noise = max(1, int((length - overhead) / self.noise_tokens))
+        # needles at random depths, at noise-sentence boundaries, in the order they were drawn
+        depths = sorted(rng.randrange(0, n_noise + 1) for _ in needle_texts)
+        parts, last = [], 0
+        for d, text in zip(depths, needle_texts):
+            parts += [NOISE * (d - last), text]
+            last = d
+        parts.append(NOISE * (n_noise - last))
+        context = "".join(parts)
+        prompt = self.wrap(context, question, prefix)
+        tokens = self.tokenize(prompt)
+        rows, start = [], 0
+        for text in needle_texts:
+            at = prompt.index(text, start)
+            rows.append([len(self.tokenize(prompt[:at])), len(self.tokenize(prompt[:at + len(text)]))])
+            start = at + len(text)
+        sha = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+        sample = Sample(f"{task}-{length}-{index}", task, length, len(tokens), answers, rows, sha)
+        return sample, tokens
+
+
+@dataclass
+class NeedleOptions:
+    tasks: tuple[str, ...] = TASKS
+    lengths: tuple[int, ...] = (4096,)
+    samples: int = 10               # per task and length
+    tails: tuple[int, ...] = (1024,)
+    arms: tuple[str, ...] = ARMS
+    fmt: str = "auto"               # auto | chat | completion
+    seed: int = 0
+    threads: int | None = None
+    n_gpu_layers: int = 0
+    flash_attn: bool = True
+    min_prefix: int = 256
+    extra: dict = field(default_factory=dict)
+
+
+def config_name(split: int, tail: int) -> str:
+    return f"S{split}-T{tail}"
+
+
+def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, opts: NeedleOptions,
+                log: Callable[[str], None] = print) -> dict:
+    from .. import libs
+    from ..engine.session import Session
+    from ..gguf_io import read_gguf
+
+    for t in opts.tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown task '{t}': one of {', '.join(TASKS)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.jsonl"
+    done: dict[tuple, dict] = {}
+    if results_path.exists():
+        for line in results_path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[(r["sample"], r["config"], r["arm"])] = r
+        log(f"eval needles: resuming, {len(done)} answers done")
+    splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
+
+    libs.use_build("ridgefill")
+    n_ctx = max(opts.lengths) + max(MAX_NEW.values()) + 64
+    sess = Session(model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, flash_attn=opts.flash_attn,
+                   n_threads=opts.threads, n_gpu_layers=opts.n_gpu_layers)
+    template = sess.chat_template()
+    fmt = opts.fmt if opts.fmt != "auto" else ("chat" if template else "completion")
+    if fmt == "chat" and not template:
+        raise ValueError("--format chat: the model has no chat template")
+    builder = PromptBuilder(lambda text: sess.tokenize(text, special=True),
+                            (lambda msg: sess.apply_chat_template(msg)) if fmt == "chat" else None)
+
+    def answer(tokens: list[int], task: str, config: str, arm: str, **params) -> dict:
+        if arm == "exact":
+            logits, _ = sess.stock(tokens)
+            st = {}
+        else:
+            logits, _, st = sess.ridgefill(tokens, **params)
+        out = sess.greedy(logits, len(tokens), MAX_NEW[task])
+        return {"pred": sess.detokenize(out), "stats": {k: st.get(k) for k in ("applied", "n_filled", "n_exact",
+                                                                                  "n_tail", "reason") if k in st}}
+
+    samples: list[Sample] = []
+    t0, n_new = time.perf_counter(), 0
+    total = len(opts.tasks) * len(opts.lengths) * opts.samples
+    try:
+        for task in opts.tasks:
+            for length in opts.lengths:
+                for index in range(opts.samples):
+                    sample, tokens = builder.build(task, length, index, opts.seed)
+                    samples.append(sample)
+                    jobs = [("exact", "exact", {})]
+                    for m, split in splits.items():
+                        for tail in opts.tails:
+                            if sample.n_tokens - tail < opts.min_prefix:
+                                continue  # the length does not allow this tail
+                            for arm in opts.arms:
+                                jobs.append((config_name(split, tail), arm,
+                                             {"maps": m, "fill": arm, "tail": tail, "min_prefix": 0}))
+                    marks = []
+                    for config, arm, params in jobs:
+                        key = (sample.sample_id, config, arm)
+                        if key not in done:
+                            if params:
+                                sess.attach(params.pop("maps"))
+                            r = answer(tokens, task, config, arm, **params)
+                            r.update(sample=sample.sample_id, config=config, arm=arm,
+                                     score=ruler_string_match_all(r["pred"], sample.answers))
+                            with open(results_path, "a") as f:
+                                f.write(json.dumps(r) + "\n")
+                            done[key] = r
+                            n_new += 1
+                        marks.append(f"{config if arm == 'exact' else config + ' ' + arm} {done[key]['score']:.2f}")
+                    rate = (time.perf_counter() - t0) / max(n_new, 1)
+                    log(f"eval needles: sample {len(samples)}/{total} ({task}, {sample.n_tokens} tokens, needles at "
+                        f"rows {[r[0] for r in sample.needle_rows]}): " + ", ".join(marks) +
+                        f"; {rate:.1f} s per answer")
+    finally:
+        sess.close()
+
+    write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in samples))
+    result = summarize(samples, list(done.values()), splits, opts)
+    result.update(instrument="eval needles", date=dt.date.today().isoformat(), hardware=hardware(),
+                  model=str(model), maps=[str(m) for m in maps], format=fmt, options=asdict(opts))
+    write_atomic(out_dir / "summary.json", json.dumps(result, indent=2) + "\n")
+    write_atomic(out_dir / "summary.md", markdown(result))
+    try:
+        plot(result, out_dir / "summary.png")
+    except ImportError:
+        pass
+    return result
+
+
+def summarize(samples: list[Sample], answers: list[dict], splits: dict[str, int], opts: NeedleOptions) -> dict:
+    """Per configuration and arm: accuracy on all samples and on filled-region samples, and the paired contrast
+    with exact on the filled-region samples (bootstrap interval), overall and per task."""
+    score = {(r["sample"], r["config"], r["arm"]): r["score"] for r in answers}
+    configs = {}
+    for split in sorted(set(splits.values())):
+        for tail in opts.tails:
+            name = config_name(split, tail)
+            groups = {"all tasks": samples, **{t: [s for s in samples if s.task == t] for t in opts.tasks}}
+            table = {}
+            for group, members in groups.items():
+                usable = [s for s in members if (s.sample_id, name, opts.arms[0]) in score]
+                filled = [s for s in usable if s.filled_region(tail)]
+                row = {"samples": len(usable), "filled_samples": len(filled), "arms": {}}
+                for arm in ("exact", *opts.arms):
+                    cfg = "exact" if arm == "exact" else name
+                    all_scores = [score[(s.sample_id, cfg, arm)] for s in usable]
+                    filled_scores = [score[(s.sample_id, cfg, arm)] for s in filled]
+                    entry = {"accuracy_all": _mean(all_scores), "accuracy_filled": _mean(filled_scores)}
+                    if arm != "exact":
+                        entry["delta_filled"] = bootstrap_mean(
+                            [score[(s.sample_id, name, arm)] - score[(s.sample_id, "exact", "exact")] for s in filled])
+                    row["arms"][arm] = entry
+                table[group] = row
+            configs[name] = {"split": split, "tail": tail, "groups": table}
+    return {"configs": configs}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def markdown(result: dict) -> str:
+    o = result["options"]
+    lines = [f"# Needle retrieval: {Path(result['model']).name}", "",
+             f"{result['date']}; tasks {', '.join(o['tasks'])}; lengths {', '.join(map(str, o['lengths']))} tokens; "
+             f"{o['samples']} samples per task and length; {result['format']} prompts; seed {o['seed']}. "
+             "Accuracy in % (RULER string_match_all); Δ = arm minus exact on the filled-region samples, paired, "
+             "[95% bootstrap interval].", "",
+             "| split | tail | tasks | samples (filled) | exact, filled | " +
+             " | ".join(f"{a}, filled | {a} Δ" for a in o["arms"]) + " | exact, all | " +
+             " | ".join(f"{a}, all" for a in o["arms"]) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(o["arms"]) + "---|" + "---|" * len(o["arms"])]
+    for c in result["configs"].values():
+        for group, row in c["groups"].items():
+            cells = [str(c["split"]), str(c["tail"]), group, f"{row['samples']} ({row['filled_samples']})",
+                     _pct(row["arms"]["exact"]["accuracy_filled"])]
+            for a in o["arms"]:
+                d = row["arms"][a]["delta_filled"]
+                cells += [_pct(row["arms"][a]["accuracy_filled"]),
+                          "n/a" if not d["n"] else f"{100 * d['mean']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"]
+            cells.append(_pct(row["arms"]["exact"]["accuracy_all"]))
+            cells += [_pct(row["arms"][a]["accuracy_all"]) for a in o["arms"]]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Left: filled-region accuracy per arm and configuration, with the exact arm's; right: across splits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(result["options"]["arms"])
+    configs = list(result["configs"].values())
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / (len(arms) + 1)
+    for k, arm in enumerate(["exact", *arms]):
+        xs, ys, err = [], [], [[], []]
+        for i, c in enumerate(configs):
+            row = c["groups"]["all tasks"]["arms"][arm]
+            if row["accuracy_filled"] is None:
+                continue
+            xs.append(i + (k - len(arms) / 2) * width)
+            ys.append(100 * row["accuracy_filled"])
+            d = row.get("delta_filled")
+            if d and d["n"]:  # the interval of the paired contrast, drawn around the arm's accuracy
+                err[0].append(100 * (d["mean"] - d["lo"]))
+                err[1].append(100 * (d["hi"] - d["mean"]))
+            else:
+                err[0].append(0)
+                err[1].append(0)
+        ax.bar(xs, ys, width, yerr=err, capsize=3, label=arm)
+    ax.set_xticks(range(len(configs)), [f"S{c['split']} T{c['tail']}" for c in configs])
+    ax.set_ylabel("filled-region accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.legend()
+    ax.set_title("retrieval from the filled region (error bars: paired Δ vs exact, 95%)")
+    for tail in sorted({c["tail"] for c in configs}):
+        cs = sorted((c for c in configs if c["tail"] == tail), key=lambda c: c["split"])
+        for arm in ["exact", *arms]:
+            pts = [(c["split"], c["groups"]["all tasks"]["arms"][arm]["accuracy_filled"]) for c in cs]
+            pts = [(s, 100 * a) for s, a in pts if a is not None]
+            if pts:
+                bx.plot(*zip(*pts), marker="o", ls="--" if arm == "exact" else "-", label=f"{arm}, T{tail}")
+    bx.set_xlabel("split")
+    bx.set_ylabel("filled-region accuracy (%)")
+    bx.set_ylim(0, 105)
+    bx.legend(fontsize=7)
+    bx.set_title("across splits")
+    fig.suptitle(Path(result["model"]).name)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
