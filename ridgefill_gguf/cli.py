@@ -363,22 +363,33 @@ def eval_group() -> None:
     """The paper's quality instruments, paired against exact (`docs/eval.md`)."""
 
 
+def _document_options(f):
+    """The options every document-based instrument takes (nll, agreement)."""
+    options = [
+        click.argument("model", type=click.Path(exists=True, dir_okay=False)),
+        click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False),
+                     help="the split comes from them"),
+        click.option("--docs", "docs", multiple=True, required=True, type=click.Path(exists=True),
+                     help="text files or folders of long documents (repeatable)"),
+        click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+                     help="results folder; a run that stopped resumes from it"),
+        click.option("--arms", default="ridge,identity,none", show_default=True,
+                     help="comma-separated: ridge, identity, none (and the checks plumb, oracle)"),
+        click.option("--tail", default=1024, show_default=True),
+        click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped"),
+        click.option("--max-tokens", default=8192, show_default=True, help="documents are cut to this many tokens"),
+        click.option("--max-docs", type=int, default=None),
+        click.option("-t", "--threads", type=int, default=None),
+        click.option("-ngl", "--n-gpu-layers", type=int, default=0),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 @eval_group.command("nll")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
-@click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False), help="the split comes from them")
-@click.option("--docs", "docs", multiple=True, required=True, type=click.Path(exists=True),
-              help="text files or folders of long documents (repeatable)")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="results folder; a run that stopped resumes from it")
-@click.option("--arms", default="ridge,identity,none", show_default=True,
-              help="comma-separated: ridge, identity, none (and the checks plumb, oracle)")
-@click.option("--tail", default=1024, show_default=True)
+@_document_options
 @click.option("--score", default=512, show_default=True, help="the last tokens of each document that are scored")
-@click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped")
-@click.option("--max-tokens", default=8192, show_default=True, help="documents are cut to this many tokens")
-@click.option("--max-docs", type=int, default=None)
-@click.option("-t", "--threads", type=int, default=None)
-@click.option("-ngl", "--n-gpu-layers", type=int, default=0)
 def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_tokens, max_docs, threads,
              n_gpu_layers) -> None:
     """ΔNLL (arm minus exact) on all, novel and key tokens of long documents, with bootstrap intervals."""
@@ -446,20 +457,8 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, fmt
 
 
 @eval_group.command("agreement")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
-@click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False), help="the split comes from them")
-@click.option("--docs", "docs", multiple=True, required=True, type=click.Path(exists=True),
-              help="text files or folders of long documents (repeatable)")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="results folder; a run that stopped resumes from it")
-@click.option("--arms", default="ridge,identity,none", show_default=True)
-@click.option("--tail", default=1024, show_default=True)
+@_document_options
 @click.option("--continue-tokens", default=256, show_default=True, help="length of the exact greedy continuation")
-@click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped")
-@click.option("--max-tokens", default=8192, show_default=True, help="documents are cut to this many tokens")
-@click.option("--max-docs", type=int, default=None)
-@click.option("-t", "--threads", type=int, default=None)
-@click.option("-ngl", "--n-gpu-layers", type=int, default=0)
 def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_tokens, max_tokens, max_docs,
                    threads, n_gpu_layers) -> None:
     """KL(exact || arm) and top-1 agreement along the exact greedy continuation, with bootstrap intervals."""

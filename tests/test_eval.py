@@ -12,6 +12,16 @@ from ridgefill_gguf.eval.stats import bootstrap_mean
 from ridgefill_gguf.eval.tokens import key_mask, novel_mask, token_nll
 
 
+def word_documents(folder, n: int, seed: int):
+    """n documents of 500 random Greek-letter words."""
+    folder.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        (folder / f"d{i}.txt").write_text(" ".join(rng.choice(words, size=500)) + "\n")
+    return folder
+
+
 def test_the_bootstrap_interval_covers_a_known_mean_and_is_reproducible():
     rng = np.random.default_rng(5)
     x = rng.normal(0.3, 1.0, size=400)
@@ -54,12 +64,7 @@ def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
 
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("qwen3"), n_layer=4), seed=9)
     maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
-    rng = np.random.default_rng(1)
-    for i in range(3):
-        (docs / f"d{i}.txt").write_text(" ".join(rng.choice(words, size=500)) + "\n")
+    docs = word_documents(tmp_path / "docs", 3, seed=1)
     (docs / "short.txt").write_text("too short\n")
     opts = NllOptions(arms=("plumb", "ridge", "none"), tail=128, score=64, min_tokens=300, max_tokens=600,
                       threads=2, flash_attn=False)
@@ -160,12 +165,7 @@ def test_eval_agreement_gives_plumb_zero_kl_and_full_agreement_and_ridge_some_di
     from ridgefill_gguf.eval.agreement import AgreementOptions, run_agreement
 
     model, maps = _tiny_model_and_maps(tmp_path)
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
-    rng = np.random.default_rng(2)
-    for i in range(2):
-        (docs / f"d{i}.txt").write_text(" ".join(rng.choice(words, size=500)) + "\n")
+    docs = word_documents(tmp_path / "docs", 2, seed=2)
     opts = AgreementOptions(arms=("plumb", "ridge"), tail=128, continue_tokens=32, min_tokens=300, max_tokens=600,
                             threads=2, flash_attn=False)
     r = run_agreement(model, maps, [docs], tmp_path / "out", opts, log=lambda _: None)

@@ -17,24 +17,15 @@ from typing import Callable
 
 import numpy as np
 
-from ..fit.capture import iter_documents
 from ..util import hardware, write_atomic
+from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents
 from .stats import bootstrap_mean
 
-ARMS = ("ridge", "identity", "none")
 
 
 @dataclass
-class AgreementOptions:
-    arms: tuple[str, ...] = ARMS
-    tail: int = 1024
+class AgreementOptions(DocumentOptions):
     continue_tokens: int = 256
-    min_tokens: int = 4096
-    max_tokens: int = 8192
-    max_docs: int | None = None
-    threads: int | None = None
-    n_gpu_layers: int = 0
-    flash_attn: bool = True
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -58,12 +49,8 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "documents.jsonl"
-    done = {}
-    if rows_path.exists():
-        for line in rows_path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done[r["doc_id"]] = r
+    done = {r["doc_id"]: r for r in load_jsonl(rows_path)}
+    if done:
         log(f"eval agreement: resuming, {len(done)} documents done")
     split = int(read_gguf(maps).get("ridgefill.split"))
     libs.use_build("ridgefill")
@@ -71,15 +58,7 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
                    flash_attn=opts.flash_attn, n_threads=opts.threads, n_gpu_layers=opts.n_gpu_layers, maps=maps)
     t0, n_new = time.perf_counter(), 0
     try:
-        for doc in iter_documents(docs):
-            if opts.max_docs is not None and len(done) >= opts.max_docs:
-                break
-            if doc.doc_id in done:
-                continue
-            prompt = sess.tokenize(doc.text)[:opts.max_tokens]
-            if len(prompt) < opts.min_tokens:
-                log(f"eval agreement: skip {Path(doc.name).name}: {len(prompt)} tokens < {opts.min_tokens}")
-                continue
+        for doc, prompt in long_documents(docs, sess.tokenize, opts, done, log, "eval agreement"):
             logits, _ = sess.stock(prompt)
             cont, exact = sess.follow(logits, len(prompt), opts.continue_tokens)
             row = {"doc_id": doc.doc_id, "name": doc.name, "tokens": len(prompt), "steps": len(cont), "arms": {}}
@@ -91,8 +70,7 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
                 kl, top1 = kl_and_top1(exact, forced)
                 row["arms"][arm] = {"kl": float(kl.mean()), "top1": float(top1.mean()),
                                     "first_disagreement": int(np.argmin(top1)) if not top1.all() else None}
-            with open(rows_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(rows_path, row)
             done[doc.doc_id] = row
             n_new += 1
             log(f"eval agreement: document {len(done)} ({Path(doc.name).name}, {len(prompt)} tokens, {len(cont)} "

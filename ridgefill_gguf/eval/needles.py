@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..util import hardware, write_atomic
+from .documents import append_jsonl, load_jsonl
 from .stats import bootstrap_mean
 
 TASKS = ("single", "multikey", "multivalue", "multiquery")
@@ -166,12 +167,8 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
-    done: dict[tuple, dict] = {}
-    if results_path.exists():
-        for line in results_path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done[(r["sample"], r["config"], r["arm"])] = r
+    done = {(r["sample"], r["config"], r["arm"]): r for r in load_jsonl(results_path)}
+    if done:
         log(f"eval needles: resuming, {len(done)} answers done")
     splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
 
@@ -222,8 +219,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
                             r = answer(tokens, task, config, arm, **params)
                             r.update(sample=sample.sample_id, config=config, arm=arm,
                                      score=ruler_string_match_all(r["pred"], sample.answers))
-                            with open(results_path, "a") as f:
-                                f.write(json.dumps(r) + "\n")
+                            append_jsonl(results_path, r)
                             done[key] = r
                             n_new += 1
                         marks.append(f"{config if arm == 'exact' else config + ' ' + arm} {done[key]['score']:.2f}")

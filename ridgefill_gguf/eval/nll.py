@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..fit.capture import iter_documents
 from ..util import hardware, write_atomic
+from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents
 from .stats import bootstrap_mean
 from .tokens import key_mask, novel_mask, token_nll
 
@@ -29,17 +29,9 @@ KINDS = ("all", "novel", "key")
 
 
 @dataclass
-class NllOptions:
-    arms: tuple[str, ...] = ARMS
-    tail: int = 1024
+class NllOptions(DocumentOptions):
     score: int = 512
-    min_tokens: int = 4096
-    max_tokens: int = 8192
-    max_docs: int | None = None
     n_ctx: int | None = None
-    threads: int | None = None
-    n_gpu_layers: int = 0
-    flash_attn: bool = True
 
 
 def doc_result(doc_id: str, name: str, tokens: list[int], nll: dict[str, np.ndarray], cut: np.ndarray,
@@ -74,12 +66,8 @@ def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "documents.jsonl"
-    done = {}
-    if rows_path.exists():
-        for line in rows_path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done[r["doc_id"]] = r
+    done = {r["doc_id"]: r for r in load_jsonl(rows_path)}
+    if done:
         log(f"eval nll: resuming, {len(done)} documents done")
     if opts.score > opts.tail:
         raise ValueError(f"--score {opts.score} must not exceed --tail {opts.tail}: the scored rows are tail rows")
@@ -90,15 +78,7 @@ def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir
     bos = sess.tokenize("", add_bos=True)
     t0, n_new = time.perf_counter(), 0
     try:
-        for i, doc in enumerate(iter_documents(docs), start=1):
-            if opts.max_docs is not None and len(done) >= opts.max_docs:
-                break
-            if doc.doc_id in done:
-                continue
-            tokens = sess.tokenize(doc.text)[:opts.max_tokens]
-            if len(tokens) < opts.min_tokens:
-                log(f"eval nll: skip {Path(doc.name).name}: {len(tokens)} tokens < {opts.min_tokens}")
-                continue
+        for doc, tokens in long_documents(docs, sess.tokenize, opts, done, log, "eval nll"):
             targets = tokens[-opts.score:]
             nll = {"exact": token_nll(sess.stock_rows(tokens, opts.score + 1)[:-1], targets)}
             # the context cut to the last `tail` tokens before the scored block (BOS kept, as the model expects)
@@ -109,8 +89,7 @@ def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir
                 nll[arm] = token_nll(logits[:-1], targets)
             row = doc_result(doc.doc_id, doc.name, tokens, nll, cut, opts.score)
             row["rows"] = {k: st[k] for k in ("n_filled", "n_exact", "n_tail")}
-            with open(rows_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(rows_path, row)
             done[doc.doc_id] = row
             n_new += 1
             rate = (time.perf_counter() - t0) / n_new

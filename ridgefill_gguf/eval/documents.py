@@ -1,0 +1,49 @@
+"""What the document-based instruments (nll, agreement) share: options, resumable results, long documents."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..fit.capture import Document, iter_documents
+
+
+@dataclass
+class DocumentOptions:
+    arms: tuple[str, ...] = ("ridge", "identity", "none")
+    tail: int = 1024
+    min_tokens: int = 4096
+    max_tokens: int = 8192
+    max_docs: int | None = None
+    threads: int | None = None
+    n_gpu_layers: int = 0
+    flash_attn: bool = True
+
+
+def load_jsonl(path: Path) -> list[dict]:
+    """The rows a run appended so far (none when it has not started)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def long_documents(docs: list[str | Path], tokenize: Callable[[str], list[int]], opts: DocumentOptions,
+                   done: dict, log: Callable[[str], None], what: str) -> Iterator[tuple[Document, list[int]]]:
+    """(document, its first max_tokens tokens) for each document not done yet and at least min_tokens long,
+    until max_docs are done."""
+    for doc in iter_documents(docs):
+        if opts.max_docs is not None and len(done) >= opts.max_docs:
+            return
+        if doc.doc_id in done:
+            continue
+        tokens = tokenize(doc.text)[:opts.max_tokens]
+        if len(tokens) < opts.min_tokens:
+            log(f"{what}: skip {Path(doc.name).name}: {len(tokens)} tokens < {opts.min_tokens}")
+            continue
+        yield doc, tokens
