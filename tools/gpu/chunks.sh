@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Models travel to the GPU machine in pieces: one call carries at most 64 MiB, and the machine cannot download.
+#   here:         bash tools/gpu/chunks.sh split models/X.gguf [...]   -> .cache/device/chunks/X.gguf.NN + .sha256
+#   each call:    carry [".cache/device/chunks/X.gguf.NN"] (one piece per call, calls back to back) and run
+#                 bash tools/gpu/chunks.sh receive
+#                 which keeps every carried piece under $HOME/ridgefill/models/ and, once all pieces of a model
+#                 are there, joins them and checks the sha256 (the model then is $HOME/ridgefill/models/X.gguf).
+# The checksum files are small: split puts them in tools/gpu/models.sha256, which is tracked and always travels.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+chunks="$repo/.cache/device/chunks"
+work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
+piece_mib=${PIECE_MIB:-60}
+
+case "${1:-}" in
+split)
+    shift
+    mkdir -p "$chunks"
+    for model in "$@"; do
+        name=$(basename "$model")
+        rm -f "$chunks/$name".*
+        split -d -a 2 -b "${piece_mib}M" "$model" "$chunks/$name."
+        n=$(ls "$chunks/$name".* | wc -l)
+        sum=$(sha256sum "$model" | cut -d' ' -f1)
+        grep -v " $name\$" "$repo/tools/gpu/models.sha256" 2>/dev/null > "$repo/tools/gpu/models.sha256.tmp" || true
+        echo "$sum $n $name" >> "$repo/tools/gpu/models.sha256.tmp"
+        mv "$repo/tools/gpu/models.sha256.tmp" "$repo/tools/gpu/models.sha256"
+        echo "chunks: $name in $n pieces of ${piece_mib} MiB: $(ls "$chunks/$name".* | xargs -n1 basename | tr '\n' ' ')"
+    done
+    ;;
+receive)
+    mkdir -p "$work/models/pieces"
+    [ -d "$chunks" ] && cp -n "$chunks"/* "$work/models/pieces/" 2>/dev/null || true
+    while read -r sum n name; do
+        [ -f "$work/models/$name" ] && { echo "chunks: $name ready"; continue; }
+        have=$(ls "$work/models/pieces/$name".* 2>/dev/null | wc -l)
+        if [ "$have" -lt "$n" ]; then echo "chunks: $name: $have of $n pieces"; continue; fi
+        cat $(ls "$work/models/pieces/$name".* | sort) > "$work/models/$name.tmp"
+        if [ "$(sha256sum "$work/models/$name.tmp" | cut -d' ' -f1)" != "$sum" ]; then
+            rm -f "$work/models/$name.tmp"; echo "chunks: $name: checksum mismatch, pieces kept" >&2; exit 1
+        fi
+        mv "$work/models/$name.tmp" "$work/models/$name" && rm -f "$work/models/pieces/$name".*
+        echo "chunks: $name ready"
+    done < "$repo/tools/gpu/models.sha256"
+    ;;
+*)
+    echo "usage: tools/gpu/chunks.sh split MODEL... | receive" >&2; exit 2 ;;
+esac
