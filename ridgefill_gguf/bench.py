@@ -11,8 +11,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sysconfig
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -50,6 +54,56 @@ def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_ro
     return exact / rf
 
 
+class DeviceMemory:
+    """GPU memory in use over time (one `nvidia-smi -lms` stream, MiB), to read the peak of a time window.
+    Inert where there is no nvidia-smi: peaks are then None."""
+
+    def __init__(self, period_ms: int = 50):
+        self.period_ms = period_ms
+        self.samples: list[tuple[float, int]] = []
+        self.proc = None
+
+    def __enter__(self) -> "DeviceMemory":
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                          "-i", "0", f"-lms={self.period_ms}"], stdout=subprocess.PIPE, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((time.monotonic(), int(line.strip())))
+            except ValueError:
+                pass
+
+    def peak(self, t0: float, t1: float) -> int | None:
+        """The largest sample taken in [t0, t1] (and the one just before t0, which still held then)."""
+        if not self.proc:
+            return None
+        time.sleep(2 * self.period_ms / 1000)  # let the samples of the window arrive
+        before = [m for t, m in self.samples if t < t0][-1:]
+        inside = [m for t, m in self.samples if t0 <= t <= t1]
+        return max(before + inside) if before or inside else None
+
+    def __exit__(self, *exc) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait()
+
+
+def timed(mem: DeviceMemory, request: Callable[[], dict]) -> tuple[dict, int | None]:
+    """A request's response and the peak device memory while it ran."""
+    t0 = time.monotonic()
+    response = request()
+    return response, mem.peak(t0, time.monotonic())
+
+
+def _max(values) -> int | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
 def default_text(min_chars: int) -> str:
     """Python standard library sources, on every machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -67,23 +121,23 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
               placements: tuple[str, ...] = ("resident",), repeats: int = 3, n_gpu_layers: int | None = None,
               threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
               label: str | None = None, min_prefix: int | None = None, extra: tuple[str, ...] = (),
-              log: Callable[[str], None] = print) -> dict:
+              vs_upstream: bool = False, log: Callable[[str], None] = print) -> dict:
     shape = ModelShape.from_gguf(model)
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
     text = text or default_text(6 * n_max)
-    rows = []
+    rows, off_rows, commands = [], [], {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-
     hw = hardware()
+    common = dict(n_ctx=n_max + 64, threads=threads, n_gpu_layers=n_gpu_layers, extra=extra)
 
     def save(partial: bool) -> dict:
         """Written after every length, so a run cut short keeps what it measured."""
         result = {"benchmark": "time to first token, exact vs RidgeFill", "date": dt.date.today().isoformat(),
                   "hardware": hw, "model": str(model), "maps": str(maps), "split": split, "tail": tail,
-                  "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS}, "partial": partial,
-                  "rows": rows}
+                  "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS},
+                  "server_commands": commands, "partial": partial, "rows": rows, "off_vs_upstream": off_rows}
         stem = f"{result['date']}-{label or Path(model).stem}"
         write_atomic(out_dir / f"{stem}.json", json.dumps(result, indent=2) + "\n")
         write_atomic(out_dir / f"{stem}.md", markdown(result))
@@ -96,42 +150,80 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                 pass
         return result
 
-    for placement in placements:
-        with Server(model, maps, tail=tail, placement=placement, min_prefix=min_prefix, n_ctx=n_max + 64,
-                    threads=threads, n_gpu_layers=n_gpu_layers, extra=extra,
-                    log_path=out_dir / f"server-{placement}.log") as srv:
-            all_tokens = srv.post("/tokenize", {"content": text, "add_special": True})["tokens"]
-            if len(all_tokens) < n_max:
-                raise ValueError(f"the text gives {len(all_tokens)} tokens, fewer than {n_max}")
-            for n in lengths:
-                prompt = all_tokens[:n]
-                if n == lengths[0]:  # a warm-up pair per server start
-                    srv.complete(prompt, n_predict=1, ridgefill=False)
-                    srv.complete(prompt, n_predict=1, ridgefill=True)
-                exact_ms, rf_ms, stats = [], [], []
-                for i in range(repeats):
-                    exact_ms.append(srv.complete(prompt, n_predict=1, ridgefill=False)["timings"]["prompt_ms"])
-                    t = srv.complete(prompt, n_predict=1, ridgefill=True)["timings"]
-                    if "ridgefill" not in t:
-                        raise RuntimeError(f"{n} tokens: the server did not use RidgeFill (see {srv.log_path})")
-                    rf_ms.append(t["prompt_ms"])
-                    stats.append(t["ridgefill"])
-                    log(f"bench: {placement} {n} tokens, run {i + 1}/{repeats}: exact {exact_ms[-1]:.0f} ms, "
-                        f"RidgeFill {rf_ms[-1]:.0f} ms")
-                st = stats[-1]
-                med = {k: statistics.median(s[k] for s in stats) for k in ("early_ms", "fill_ms", "exact_ms")}
-                speedup = statistics.median(exact_ms) / statistics.median(rf_ms)
-                c_layer = layer_ceiling(n, split, st["tail"], shape.n_layer)
-                c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"])
-                rows.append({"placement": placement, "tokens": n, "exact_ms": exact_ms, "ridgefill_ms": rf_ms,
-                             "median_exact_ms": statistics.median(exact_ms),
-                             "median_ridgefill_ms": statistics.median(rf_ms), "speedup": speedup,
-                             "ceiling_layers": c_layer, "ceiling_macs": c_mac, "share_of_ceiling": speedup / c_mac,
-                             "rows": {k: st[k] for k in ("filled", "exact", "special", "tail")},
-                             "phases_ms": med})
-                log(f"bench: {placement} {n} tokens: speedup {speedup:.2f}x (ceiling {c_mac:.2f}x by MACs, "
-                    f"{c_layer:.2f}x by layers)")
-                save(partial=True)
+    def prompts(srv: Server) -> dict[int, list[int]]:
+        all_tokens = srv.post("/tokenize", {"content": text, "add_special": True})["tokens"]
+        if len(all_tokens) < n_max:
+            raise ValueError(f"the text gives {len(all_tokens)} tokens, fewer than {n_max}")
+        return {n: all_tokens[:n] for n in lengths}
+
+    with DeviceMemory() as mem:
+        for placement in placements:
+            with Server(model, maps, tail=tail, placement=placement, min_prefix=min_prefix,
+                        log_path=out_dir / f"server-{placement}.log", **common) as srv:
+                commands[placement] = " ".join(srv.command)
+                by_n = prompts(srv)
+                # a warm-up pair per server start; its stock request comes before RidgeFill's buffers exist
+                _, stock_peak = timed(mem, lambda: srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=False))
+                srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=True)
+                for n in lengths:
+                    exact_ms, rf_ms, stats, peaks = [], [], [], {"exact": [], "ridgefill": []}
+                    for i in range(repeats):
+                        r, m = timed(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=False))
+                        exact_ms.append(r["timings"]["prompt_ms"])
+                        peaks["exact"].append(m)
+                        r, m = timed(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=True))
+                        t = r["timings"]
+                        if "ridgefill" not in t:
+                            raise RuntimeError(f"{n} tokens: the server did not use RidgeFill (see {srv.log_path})")
+                        rf_ms.append(t["prompt_ms"])
+                        stats.append(t["ridgefill"])
+                        peaks["ridgefill"].append(m)
+                        log(f"bench: {placement} {n} tokens, run {i + 1}/{repeats}: exact {exact_ms[-1]:.0f} ms, "
+                            f"RidgeFill {rf_ms[-1]:.0f} ms")
+                    st = stats[-1]
+                    med = {k: statistics.median(s[k] for s in stats) for k in ("early_ms", "fill_ms", "exact_ms")}
+                    speedup = statistics.median(exact_ms) / statistics.median(rf_ms)
+                    c_layer = layer_ceiling(n, split, st["tail"], shape.n_layer)
+                    c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"])
+                    rows.append({"placement": placement, "tokens": n, "exact_ms": exact_ms, "ridgefill_ms": rf_ms,
+                                 "median_exact_ms": statistics.median(exact_ms),
+                                 "median_ridgefill_ms": statistics.median(rf_ms), "speedup": speedup,
+                                 "ceiling_layers": c_layer, "ceiling_macs": c_mac,
+                                 "share_of_ceiling": speedup / c_mac,
+                                 "rows": {k: st[k] for k in ("filled", "exact", "special", "tail")},
+                                 "phases_ms": med,
+                                 # MiB in use on the GPU: RidgeFill's buffers stay allocated once made, so the
+                                 # exact arm's peak includes them; stock_before_ridgefill does not
+                                 "peak_memory_mib": {"exact": _max(peaks["exact"]),
+                                                     "ridgefill": _max(peaks["ridgefill"]),
+                                                     "stock_before_ridgefill": stock_peak}})
+                    log(f"bench: {placement} {n} tokens: speedup {speedup:.2f}x (ceiling {c_mac:.2f}x by MACs, "
+                        f"{c_layer:.2f}x by layers)")
+                    save(partial=True)
+        if vs_upstream:
+            # the cost of carrying RidgeFill: upstream's server against the patched one with maps attached and
+            # every request stock, both up at once, requests alternating
+            with Server(model, build="upstream", log_path=out_dir / "server-upstream.log", **common) as up, \
+                    Server(model, maps, tail=tail, log_path=out_dir / "server-off.log", **common) as off:
+                commands["upstream"], commands["attached_off"] = " ".join(up.command), " ".join(off.command)
+                by_n = prompts(up)
+                up.complete(by_n[lengths[0]], n_predict=1)
+                off.complete(by_n[lengths[0]], n_predict=1, ridgefill=False)
+                for n in lengths:
+                    up_ms, off_ms = [], []
+                    for i in range(repeats):
+                        up_ms.append(up.complete(by_n[n], n_predict=1)["timings"]["prompt_ms"])
+                        t = off.complete(by_n[n], n_predict=1, ridgefill=False)["timings"]
+                        if "ridgefill" in t:
+                            raise RuntimeError(f"{n} tokens: RidgeFill ran on a request that switched it off")
+                        off_ms.append(t["prompt_ms"])
+                        log(f"bench: off vs upstream {n} tokens, run {i + 1}/{repeats}: upstream {up_ms[-1]:.0f} ms, "
+                            f"attached but off {off_ms[-1]:.0f} ms")
+                    off_rows.append({"tokens": n, "upstream_ms": up_ms, "off_ms": off_ms,
+                                     "median_upstream_ms": statistics.median(up_ms),
+                                     "median_off_ms": statistics.median(off_ms),
+                                     "off_over_upstream": statistics.median(off_ms) / statistics.median(up_ms)})
+                    save(partial=True)
     return save(partial=False)
 
 
@@ -150,6 +242,21 @@ def markdown(r: dict) -> str:
                      f"{x['ceiling_layers']:.2f}x | {100 * x['share_of_ceiling']:.0f}% | "
                      f"{rw['filled']} / {rw['exact']} / {rw['tail']} | "
                      f"{p['early_ms']:.0f} / {p['fill_ms']:.0f} / {p['exact_ms']:.0f} |")
+    mem = [x for x in r["rows"] if x.get("peak_memory_mib", {}).get("ridgefill")]
+    if mem:
+        lines += ["", "Peak GPU memory in use (MiB; RidgeFill's buffers stay allocated once made, so the exact arm "
+                  "after the first RidgeFill request includes them):", "",
+                  "| placement | tokens | stock before RidgeFill | exact | RidgeFill |", "|---|---|---|---|---|"]
+        for x in mem:
+            m = x["peak_memory_mib"]
+            lines.append(f"| {x['placement']} | {x['tokens']} | {m['stock_before_ridgefill']} | {m['exact']} | "
+                         f"{m['ridgefill']} |")
+    if r.get("off_vs_upstream"):
+        lines += ["", "RidgeFill attached but off, against the upstream build (medians, ms):", "",
+                  "| tokens | upstream | attached, off | off / upstream |", "|---|---|---|---|"]
+        for x in r["off_vs_upstream"]:
+            lines.append(f"| {x['tokens']} | {x['median_upstream_ms']:.0f} | {x['median_off_ms']:.0f} | "
+                         f"{x['off_over_upstream']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -337,7 +337,8 @@ def serve(model, maps, tail, placement, fill, min_prefix, n_ctx, host, port, thr
 @main.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--tokens", "lengths", default="8192,16384", show_default=True, help="prompt lengths, comma-separated")
+@click.option("--lengths", "--tokens", "lengths", default="8k,16k", show_default=True,
+              help="prompt lengths in tokens, comma-separated (16k = 16384)")
 @click.option("--tail", default=1024, show_default=True)
 @click.option("--placement", "placements", multiple=True, type=click.Choice(["resident", "streamed"]),
               help="repeatable (default: resident)")
@@ -347,13 +348,15 @@ def serve(model, maps, tail, placement, fill, min_prefix, n_ctx, host, port, thr
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/bench"),
               show_default=True)
 @click.option("--label", default=None, help="names the result files (default: the model's file name)")
-def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label) -> None:
+@click.option("--vs-upstream", is_flag=True, help="also time the upstream server against the patched one with "
+              "RidgeFill attached but off")
+def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label, vs_upstream) -> None:
     """Time to first token of MODEL, exact against RidgeFill, side by side on one server; JSON, Markdown, PNG."""
     from .bench import run_bench
 
-    result = run_bench(model, maps, [int(x) for x in lengths.split(",")], tail=tail,
+    result = run_bench(model, maps, list(_ints(lengths, "--lengths")), tail=tail,
                        placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
-                       threads=threads, out_dir=out_dir, label=label, log=click.echo)
+                       threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream, log=click.echo)
     click.echo(Path(result["files"][1]).read_text())
     click.echo("wrote " + ", ".join(result["files"]))
 
@@ -416,8 +419,13 @@ def _arms(arms: str) -> tuple[str, ...]:
 
 
 def _ints(text: str, hint: str) -> tuple[int, ...]:
+    """Token counts, comma-separated; 16k means 16 x 1024."""
+    def one(x: str) -> int:
+        x = x.strip().lower()
+        return int(x[:-1]) * 1024 if x.endswith("k") else int(x)
+
     try:
-        values = tuple(int(x.strip().lower().replace("k", "000")) for x in text.split(",") if x.strip())
+        values = tuple(one(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise click.BadParameter(f"'{text}' is not a comma-separated list of token counts", param_hint=hint) from None
     if not values or min(values) <= 0:

@@ -41,3 +41,17 @@ def test_a_bench_run_writes_json_markdown_and_a_plot(tmp_path):
     assert row["speedup"] > 0 and row["ceiling_macs"] > 1
     assert "| resident | 600 |" in (tmp_path / "out" / f"{r['date']}-tiny.md").read_text()
     assert (tmp_path / "out" / f"{r['date']}-tiny.png").stat().st_size > 1000
+
+
+def test_the_bench_times_upstream_against_ridgefill_attached_but_off(tmp_path):
+    require_builds("upstream", "ridgefill")
+    model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("qwen3"), n_layer=4), seed=3)
+    maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
+    r = run_bench(model, maps, [400], tail=64, repeats=2, threads=2, out_dir=tmp_path / "out", label="off",
+                  min_prefix=0, vs_upstream=True, log=lambda s: None)
+    (off,) = r["off_vs_upstream"]
+    assert off["tokens"] == 400 and len(off["upstream_ms"]) == len(off["off_ms"]) == 2
+    assert off["off_over_upstream"] > 0
+    assert set(r["server_commands"]) == {"resident", "upstream", "attached_off"}
+    assert "--ridgefill" in r["server_commands"]["attached_off"] and "--ridgefill" not in r["server_commands"]["upstream"]
+    assert "| 400 |" in (tmp_path / "out" / f"{r['date']}-off.md").read_text().split("against the upstream build")[1]

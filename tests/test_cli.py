@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import click
+import pytest
 from click.testing import CliRunner
 
 from ridgefill_gguf import __version__
@@ -44,3 +46,12 @@ def test_the_console_script_is_installed():
 def test_equivalence_refuses_a_missing_model_by_name(tmp_path):
     result = CliRunner().invoke(main, ["equivalence", str(tmp_path / "absent.gguf")])
     assert result.exit_code != 0 and "absent.gguf" in result.output
+
+
+def test_token_counts_take_k_for_1024_and_refuse_nonsense():
+    from ridgefill_gguf.cli import _ints
+
+    assert _ints("4k, 8192,32K", "--lengths") == (4096, 8192, 32768)
+    for bad in ("", "4x", "-1", "0"):
+        with pytest.raises(click.BadParameter):
+            _ints(bad, "--lengths")

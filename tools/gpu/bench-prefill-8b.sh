@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine after tools/gpu/prepare-8b.sh: time to first token, exact against RidgeFill, for the
 # Qwen3-8B-shaped random model, split 13, tail 4096, resident and streamed (issue 5). Results in $OUT/bench.
-#   TOKENS=16384,32768,65536 [PLACEMENTS=resident,streamed] [UBATCH=512] [LABEL=...] bash tools/gpu/bench-prefill-8b.sh
+#   TOKENS=16384,32768,65536 [PLACEMENTS=resident,streamed] [UBATCH=512] [VS_UPSTREAM=1] [LABEL=...] \
+#       bash tools/gpu/bench-prefill-8b.sh
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
@@ -16,7 +17,7 @@ ub = os.environ.get("UBATCH")
 r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=4096,
               placements=tuple(os.environ.get("PLACEMENTS", "resident,streamed").split(",")),
               repeats=int(os.environ.get("REPEATS", "3")), n_gpu_layers=99, out_dir=sys.argv[3],
-              label=os.environ.get("LABEL", "qwen3-8b-shape-h200"),
+              label=os.environ.get("LABEL", "qwen3-8b-shape-h200"), vs_upstream=os.environ.get("VS_UPSTREAM") == "1",
               # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it
               extra=("--override-kv", "qwen3.context_length=int:131072") + (("-b", ub, "-ub", ub) if ub else ()))
 print(open(r["files"][1]).read())
