@@ -481,6 +481,20 @@ def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_
     click.echo((out_dir / "summary.md").read_text())
 
 
+@eval_group.command("report")
+@click.argument("root", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+def eval_report(root, out_dir) -> None:
+    """One study's runs (every summary.json below ROOT) in one table, with plots across splits."""
+    from .eval.report import run_report
+
+    try:
+        run_report(root, out_dir)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo((out_dir / "study.md").read_text())
+
+
 @main.command()
 @click.option("--model", "model_key", default=None,
               help="a model key of `ridgefill-gguf models` (default qwen2.5-coder-0.5b)")

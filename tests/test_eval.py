@@ -173,3 +173,33 @@ def test_eval_agreement_gives_plumb_zero_kl_and_full_agreement_and_ridge_some_di
     assert r["summary"]["plumb"]["kl"]["mean"] < 1e-4 and r["summary"]["plumb"]["top1"]["mean"] == 1.0
     assert r["summary"]["ridge"]["kl"]["mean"] > 10 * r["summary"]["plumb"]["kl"]["mean"]
     assert (tmp_path / "out" / "summary.md").exists() and (tmp_path / "out" / "summary.png").exists()
+
+
+def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp_path):
+    from ridgefill_gguf.eval import nll, needles
+    from ridgefill_gguf.eval.report import run_report
+
+    rng = np.random.default_rng(0)
+    for split in (9, 12):
+        rows = [{"delta": {arm: {k: float(rng.normal(0.1 * split, 0.01)) for k in nll.KINDS} for arm in nll.ARMS}}
+                for _ in range(4)]
+        out = tmp_path / "study" / f"nll-S{split}"
+        out.mkdir(parents=True)
+        (out / "summary.json").write_text(json.dumps({
+            "instrument": "eval nll", "model": "/m/qwen.gguf", "split": split, "documents": 4,
+            "options": {"tail": 1024}, "summary": nll.summarize(rows, nll.ARMS)}))
+    samples = [needles.Sample(f"single-4096-{i}", "single", 4096, 4000, ["1"], [[100, 120]], "x") for i in range(3)]
+    answers = [{"sample": s.sample_id, "config": c, "arm": a, "score": float(a == "exact" or i == 0)}
+               for i, s in enumerate(samples) for c, a in
+               [("exact", "exact")] + [(f"S{sp}-T1024", arm) for sp in (9, 12) for arm in needles.ARMS]]
+    opts = needles.NeedleOptions(tasks=("single",), tails=(1024,))
+    out = tmp_path / "study" / "needles"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({
+        "instrument": "eval needles", "model": "/m/qwen.gguf", "options": {"lengths": [4096]},
+        **needles.summarize(samples, answers, {"a": 9, "b": 12}, opts)}))
+    study = run_report(tmp_path / "study", tmp_path / "report")
+    assert set(study) == {"qwen.gguf"} and len(study["qwen.gguf"]["nll"]) == 2
+    md = (tmp_path / "report" / "study.md").read_text()
+    assert "| 9 | 1024 | 4 | ridge |" in md and "| 12 | 1024 | 3 (3) | 100.0 | 33.3 |" in md
+    assert (tmp_path / "report" / "study-qwen.png").stat().st_size > 1000

@@ -1,0 +1,138 @@
+"""`ridgefill-gguf eval report`: one study's runs (needles, nll and agreement over splits and tails) in one table
+and across-split plots, for the docs.
+
+It reads every `summary.json` below a folder, groups the runs by model, and writes `study.json`, `study.md` and
+one PNG per model: ΔNLL on novel and key tokens, KL and top-1 agreement, and filled-region retrieval, each
+against the split, one line per arm and tail.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from ..util import write_atomic
+
+
+def collect(root: str | Path) -> dict:
+    """{model name: {"nll": [...], "agreement": [...], "needles": [...]}}, each run's split, tail and summary."""
+    runs: dict[str, dict[str, list]] = defaultdict(lambda: {"nll": [], "agreement": [], "needles": []})
+    for path in sorted(Path(root).rglob("summary.json")):
+        r = json.loads(path.read_text())
+        name = Path(r["model"]).name
+        kind = r.get("instrument", "").removeprefix("eval ")
+        if kind in ("nll", "agreement"):
+            runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
+                                     "summary": r["summary"], "path": str(path.parent)})
+        elif kind == "needles":
+            for c in r["configs"].values():
+                runs[name]["needles"].append({"split": c["split"], "tail": c["tail"], "groups": c["groups"],
+                                              "lengths": r["options"]["lengths"], "path": str(path.parent)})
+    return {k: v for k, v in runs.items()}
+
+
+def _ci(s: dict, scale: float = 1.0, digits: int = 3, sign: bool = True) -> str:
+    if not s or not s.get("n"):
+        return "n/a"
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
+    return f"{f.format(scale * s['mean'])} [{f.format(scale * s['lo'])}, {f.format(scale * s['hi'])}]"
+
+
+def markdown(study: dict) -> str:
+    lines = ["# RidgeFill quality study", ""]
+    for model, runs in study.items():
+        lines += [f"## {model}", ""]
+        if runs["needles"]:
+            lines += ["Retrieval (needles), filled-region samples: accuracy % and Δ vs exact (paired, 95% interval):",
+                      "", "| split | tail | samples (filled) | exact | ridge | ridge Δ | identity | identity Δ | none | "
+                      "none Δ |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for x in sorted(runs["needles"], key=lambda x: (x["tail"], x["split"])):
+                g = x["groups"]["all tasks"]
+                cells = [str(x["split"]), str(x["tail"]), f"{g['samples']} ({g['filled_samples']})",
+                         _pct(g["arms"]["exact"]["accuracy_filled"])]
+                for arm in ("ridge", "identity", "none"):
+                    a = g["arms"].get(arm)
+                    cells += [_pct(a["accuracy_filled"]), _ci(a["delta_filled"], 100, 1)] if a else ["n/a", "n/a"]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+        if runs["nll"]:
+            lines += ["ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):", "",
+                      "| split | tail | documents | arm | all | novel | key |", "|---|---|---|---|---|---|---|"]
+            for x in sorted(runs["nll"], key=lambda x: (x["tail"], x["split"])):
+                for arm, s in x["summary"].items():
+                    lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | {_ci(s['all'])} | "
+                                 f"{_ci(s['novel'])} | {_ci(s['key'])} |")
+            lines.append("")
+        if runs["agreement"]:
+            lines += ["Agreement along the exact greedy continuation (mean over documents [95% interval]):", "",
+                      "| split | tail | documents | arm | KL(exact ‖ arm) | top-1 % |", "|---|---|---|---|---|---|"]
+            for x in sorted(runs["agreement"], key=lambda x: (x["tail"], x["split"])):
+                for arm, s in x["summary"].items():
+                    lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | "
+                                 f"{_ci(s['kl'], 1, 4, False)} | {_ci(s['top1'], 100, 1, False)} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def plot(model: str, runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("nll", "novel", "ΔNLL, novel tokens"), ("nll", "key", "ΔNLL, key tokens"),
+              ("agreement", "kl", "KL(exact ‖ arm)"), ("needles", None, "filled-region retrieval (%)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    for ax, (kind, key, title) in zip(axes, panels):
+        series = defaultdict(list)
+        for x in runs[kind]:
+            if kind == "needles":
+                for arm, a in x["groups"]["all tasks"]["arms"].items():
+                    if a["accuracy_filled"] is not None:
+                        series[(arm, x["tail"])].append((x["split"], 100 * a["accuracy_filled"], None, None))
+            else:
+                for arm, s in x["summary"].items():
+                    v = s[key]
+                    if v.get("n"):
+                        series[(arm, x["tail"])].append((x["split"], v["mean"], v["lo"], v["hi"]))
+        for (arm, tail), pts in sorted(series.items()):
+            pts.sort()
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            line = ax.plot(xs, ys, marker="o", ls="--" if arm == "exact" else "-", label=f"{arm}, T{tail}")[0]
+            if pts[0][2] is not None:
+                ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], color=line.get_color(), alpha=0.15)
+        splits = sorted({p[0] for pts in series.values() for p in pts})
+        if splits:
+            ax.set_xticks(splits)
+        ax.set_xlabel("split")
+        ax.set_title(title)
+        if kind != "needles":
+            ax.axhline(0, color="k", lw=0.6)
+        if series:
+            ax.legend(fontsize=7)
+    fig.suptitle(model)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def run_report(root: str | Path, out_dir: str | Path) -> dict:
+    study = collect(root)
+    if not study:
+        raise ValueError(f"no eval results (summary.json) below {root}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "study.json", json.dumps(study, indent=2) + "\n")
+    write_atomic(out_dir / "study.md", markdown(study))
+    for model, runs in study.items():
+        try:
+            plot(model, runs, out_dir / f"study-{Path(model).stem}.png")
+        except ImportError:
+            break
+    return study
