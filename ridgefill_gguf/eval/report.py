@@ -55,21 +55,21 @@ def markdown(study: dict) -> str:
                     cells += [_pct(a["accuracy_filled"]), _ci(a["delta_filled"], 100, 1)] if a else ["n/a", "n/a"]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
-        if runs["nll"]:
-            lines += ["ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):", "",
-                      "| split | tail | documents | arm | all | novel | key |", "|---|---|---|---|---|---|---|"]
-            for x in sorted(runs["nll"], key=lambda x: (x["tail"], x["split"])):
+        # the document instruments: a row per run and arm
+        doc_tables = (("nll", "ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):",
+                       ("all", "novel", "key"), lambda s, k: _ci(s[k])),
+                      ("agreement", "Agreement along the exact greedy continuation (mean over documents [95% interval]):",
+                       ("KL(exact ‖ arm)", "top-1 %"),
+                       lambda s, k: _ci(s["kl"], 1, 4, False) if k.startswith("KL") else _ci(s["top1"], 100, 1, False)))
+        for kind, title, columns, cell in doc_tables:
+            if not runs[kind]:
+                continue
+            lines += [title, "", "| split | tail | documents | arm | " + " | ".join(columns) + " |",
+                      "|---|---|---|---|" + "---|" * len(columns)]
+            for x in sorted(runs[kind], key=lambda x: (x["tail"], x["split"])):
                 for arm, s in x["summary"].items():
-                    lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | {_ci(s['all'])} | "
-                                 f"{_ci(s['novel'])} | {_ci(s['key'])} |")
-            lines.append("")
-        if runs["agreement"]:
-            lines += ["Agreement along the exact greedy continuation (mean over documents [95% interval]):", "",
-                      "| split | tail | documents | arm | KL(exact ‖ arm) | top-1 % |", "|---|---|---|---|---|---|"]
-            for x in sorted(runs["agreement"], key=lambda x: (x["tail"], x["split"])):
-                for arm, s in x["summary"].items():
-                    lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | "
-                                 f"{_ci(s['kl'], 1, 4, False)} | {_ci(s['top1'], 100, 1, False)} |")
+                    lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | " +
+                                 " | ".join(cell(s, c) for c in columns) + " |")
             lines.append("")
     return "\n".join(lines)
 
