@@ -65,9 +65,10 @@ class ReferenceModel:
         return y if b is None else y + b
 
     def attention(self, layer: int, h: np.ndarray, pos: np.ndarray, queries: np.ndarray | None = None,
-                  visible: np.ndarray | None = None) -> np.ndarray:
+                  visible: np.ndarray | None = None, weights: np.ndarray | None = None) -> np.ndarray:
         """Causal attention of the `queries` rows (default: all) over the `visible` rows (default: all) of h,
-        the normalized inputs of every row; returns the attention output of the query rows."""
+        the normalized inputs of every row; returns the attention output of the query rows. `weights`, when given
+        ([len(queries), n] float64), receives the attention probabilities summed over the heads."""
         hp, p = self.hp, f"blk.{layer}."
         n = len(h)
         queries = np.arange(n) if queries is None else queries
@@ -88,7 +89,10 @@ class ReferenceModel:
             kv = head // group
             s = (q[:, head] @ k[:, kv].T) * scale + mask
             s = np.exp(s - s.max(axis=1, keepdims=True))
-            out[:, head] = (s / s.sum(axis=1, keepdims=True)) @ v[:, kv]
+            prob = s / s.sum(axis=1, keepdims=True)
+            if weights is not None:
+                weights += prob
+            out[:, head] = prob @ v[:, kv]
         return self.linear(out.reshape(len(queries), -1), p + "attn_output")
 
     def ffn(self, layer: int, h: np.ndarray) -> np.ndarray:
@@ -151,6 +155,43 @@ class ReferenceModel:
             x = x.copy()
             x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
         return self.logits(x[max(n - tail, 0):])
+
+    def probe_scores(self, tokens: list[int], split: int, tail: int, n_probe: int,
+                     maps: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """The probe's ranking (paper §2.4) as the engine computes it, for fill="ridge": per row, the attention
+        the last n_probe rows pay it, summed over their rows, the heads and the late layers. In each late layer the
+        prefix rows other than row 0 hold their predicted K/V, row 0 runs exactly, and the probe rows run exactly
+        over that cache with the tail's other rows hidden."""
+        n = len(tokens)
+        pos = np.arange(n)
+        prefix_end = max(n - tail, 0)
+        probe = np.arange(n - n_probe, n)
+        filled = np.zeros(n, bool)
+        filled[1:prefix_end] = True
+        visible = np.ones(n, bool)
+        visible[prefix_end:n - n_probe] = False
+        rows = np.concatenate([[0], probe])
+        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        for layer in range(split):
+            x = self.layer(layer, x, pos)
+        x_split = x
+        score = np.zeros(n)
+        for layer in range(split, self.hp.n_layer):
+            inp = x.copy()
+            if layer > split:
+                a, b = maps[layer]
+                inp[filled] = x_split[filled] @ a.T + b
+            else:
+                inp[filled] = x_split[filled]
+            p = f"blk.{layer}."
+            w = np.zeros((len(rows), n))
+            att = self.attention(layer, self.rms(inp, self.w(p + "attn_norm.weight")), pos, queries=rows,
+                                 visible=visible, weights=w)
+            score += w[1:].sum(axis=0)
+            y = x[rows] + att
+            x = x.copy()
+            x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
+        return score
 
     def forward(self, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """(logits [n, n_vocab], every layer's input [n, d]) for one sequence from position 0."""

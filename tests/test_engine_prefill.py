@@ -117,6 +117,44 @@ def test_the_ridge_arm_matches_an_independent_numpy_computation(arch, deep_tiny,
     assert np.abs(arrays["ridge"] - arrays["identity"]).max() > 1e-3
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_probe_makes_exact_the_rows_the_last_rows_attend_to_most_as_numpy_ranks_them(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny[arch]
+    tail, n_probe, n_exact = 40, 16, 8
+    runs = [{"name": "probe", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
+                                         "exact_rows": [], "probe": [n_probe, n_exact]}}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    ref, mats = reference_and_maps(model, maps)
+    # the engine prefills all but the last token (which follows through llama_decode and counts as tail)
+    score = ref.probe_scores(tokens[:-1], SPLIT, tail - 1, n_probe, mats)
+    prefix = len(tokens) - tail
+    ranked = sorted(range(1, prefix), key=lambda r: -score[r])
+    chosen = sorted(ranked[:n_exact])
+    st = stats["probe"]
+    print(f"{arch}: engine {st['exact_rows']}, numpy {[0] + chosen}; margin {score[ranked[n_exact - 1]] - score[ranked[n_exact]]:.3g}")
+    assert st["applied"] == 1 and st["n_probe"] == n_probe and st["n_probe_exact"] == n_exact
+    assert st["exact_rows"] == [0] + chosen
+    assert st["n_filled"] == prefix - 1 - n_exact
+    # and the prefill with those rows exact is the ridge arm with them as exact rows
+    expected = ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(chosen))[-1]
+    rel = np.abs(arrays["probe"] - expected).max() / np.abs(expected).max()
+    assert rel < 2e-5, rel
+
+
+def test_a_probe_that_keeps_every_prefix_row_gives_the_plumb_logits(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["qwen3"]
+    runs = [{"name": "plumb", "params": {"fill": "plumb", "tail": 40, "min_prefix": 0}},
+            {"name": "probe_all", "params": {"fill": "ridge", "probe": [16, 100000]}},
+            {"name": "no_probe", "params": {"fill": "ridge", "probe": [0, 0]}}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    assert stats["probe_all"]["n_filled"] == 0 and stats["no_probe"]["n_probe"] == 0
+    assert np.abs(arrays["probe_all"] - arrays["plumb"]).max() <= 1e-5 * np.abs(arrays["plumb"]).max()
+    assert np.abs(arrays["no_probe"] - arrays["plumb"]).max() > 1e-4 * np.abs(arrays["plumb"]).max()
+
+
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_plumb_oracle_and_nothing_filled_reproduce_stock(flash_attn, deep_tiny, tmp_path):
     require_builds("ridgefill")

@@ -1,5 +1,6 @@
 """On CUDA, with every layer on the GPU: resident and streamed maps give the same bytes (rung 2), and plumb,
-oracle and a prefill with nothing filled reproduce stock within the exact-vs-exact noise floor (rung 3)."""
+oracle and a prefill with nothing filled reproduce stock within the exact-vs-exact noise floor (rung 3), and the
+probe keeps the rows a NumPy computation ranks highest."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,9 +8,10 @@ import dataclasses
 import pytest
 
 from conftest import require_cuda_builds
-from ridgefill_gguf.maps.synthetic import write_random_maps
+from ridgefill_gguf.maps.convert import convert
+from ridgefill_gguf.maps.synthetic import write_float_file, write_random_maps
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-from test_engine_prefill import kl, run_engine
+from test_engine_prefill import SPLIT, TIGHT, kl, reference_and_maps, run_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -54,3 +56,19 @@ def test_plumb_oracle_and_nothing_filled_stay_within_the_noise_floor_on_cuda(mod
         assert stats[name]["applied"] == 1
         assert arrays[name].argmax() == arrays["stock"].argmax()
         assert d <= max(10 * floor, 1e-5), (name, d, floor)
+
+
+def test_the_probe_on_cuda_keeps_the_rows_numpy_ranks_highest(tmp_path):
+    require_cuda_builds("ridgefill")
+    shape = dataclasses.replace(tiny_shape("qwen3"), n_layer=4)
+    model = write_random_model(tmp_path / "qwen3.gguf", shape, seed=3)
+    src = write_float_file(tmp_path / "maps.safetensors", SPLIT, [2, 3], shape.n_embd, dtype="f32", seed=4)
+    maps = convert(src, tmp_path / "maps.gguf", model=model, outtype="f32").out
+    tail, n_probe, n_exact = 40, 16, 8
+    runs = [{"name": "probe", "params": {"fill": "ridge", "tail": tail, "min_prefix": 0, "probe": [n_probe, n_exact]}}]
+    arrays, stats = run_engine(model, maps, runs, session={**TIGHT, "n_gpu_layers": -1}, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    ref, mats = reference_and_maps(model, maps)
+    score = ref.probe_scores(tokens[:-1], SPLIT, tail - 1, n_probe, mats)
+    ranked = sorted(range(1, len(tokens) - tail), key=lambda r: -score[r])
+    assert stats["probe"]["exact_rows"] == [0] + sorted(ranked[:n_exact])

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 3
+API_VERSION = 4
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -62,6 +62,7 @@ _SIGNATURES = {
     "llama_ridgefill_set_exact_random": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32]),
     "llama_ridgefill_set_chunk": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
     "llama_ridgefill_set_min_prefix": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                  ctypes.c_int32, ctypes.c_int32]),
 }
@@ -76,7 +77,8 @@ class Stats(ctypes.Structure):
     _fields_ = [("applied", ctypes.c_int32), ("split", ctypes.c_int32), ("n_rows", ctypes.c_int32),
                 ("n_filled", ctypes.c_int32), ("n_exact", ctypes.c_int32), ("n_special", ctypes.c_int32),
                 ("n_tail", ctypes.c_int32), ("t_early_ms", ctypes.c_double), ("t_fill_ms", ctypes.c_double),
-                ("t_exact_ms", ctypes.c_double), ("t_total_ms", ctypes.c_double)]
+                ("t_exact_ms", ctypes.c_double), ("t_total_ms", ctypes.c_double), ("n_probe", ctypes.c_int32),
+                ("n_probe_exact", ctypes.c_int32), ("t_probe_ms", ctypes.c_double)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -86,6 +88,8 @@ _SIGNATURES["llama_ridgefill_get_stats"] = (None, [ctypes.c_void_p, ctypes.POINT
 _SIGNATURES["llama_ridgefill_set_logits_rows"] = (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32])
 _SIGNATURES["llama_ridgefill_get_logits"] = (ctypes.POINTER(ctypes.c_float),
                                              [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)])
+_SIGNATURES["llama_ridgefill_get_exact_rows"] = (ctypes.POINTER(ctypes.c_int32),
+                                                 [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)])
 
 
 class PrefillError(RuntimeError):
@@ -135,7 +139,8 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 
 def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_rows: list[int] | None = None,
               exact_random: tuple[int, int] | None = None, chunk: int | None = None,
-              min_prefix: int | None = None, logits_rows: int | None = None) -> None:
+              min_prefix: int | None = None, logits_rows: int | None = None,
+              probe: tuple[int, int] | None = None) -> None:
     """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
     lib = _prefill_lib()
     calls = []
@@ -156,6 +161,8 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
         calls.append(("min_prefix", lib.llama_ridgefill_set_min_prefix(ctx, min_prefix)))
     if logits_rows is not None:
         calls.append(("logits_rows", lib.llama_ridgefill_set_logits_rows(ctx, logits_rows)))
+    if probe is not None:  # (rows that run the probe, prefix rows it makes exact)
+        calls.append(("probe", lib.llama_ridgefill_set_probe(ctx, *probe)))
     for name, rc in calls:
         if rc != 0:
             err = lib.llama_ridgefill_last_error().decode()
@@ -186,6 +193,13 @@ def logits(ctx, n_vocab: int) -> np.ndarray:
     if not ptr or n.value == 0:
         return np.zeros((0, n_vocab), np.float32)
     return np.ctypeslib.as_array(ptr, shape=(n.value, n_vocab)).copy()
+
+
+def exact_rows(ctx) -> list[int]:
+    """The last prefill's exact prefix rows (special, listed, random and the probe's), ascending."""
+    n = ctypes.c_int32(0)
+    ptr = _prefill_lib().llama_ridgefill_get_exact_rows(ctx, ctypes.byref(n))
+    return [int(ptr[i]) for i in range(n.value)] if ptr else []
 
 
 def not_applied_reason() -> str:

@@ -178,6 +178,7 @@ class Session:
         seconds = time.perf_counter() - t0
         stats = self.bindings.stats(self.ctx)
         stats["reason"] = reason
+        stats["exact_rows"] = self.bindings.exact_rows(self.ctx) if applied else []
         return self._last_logits(), seconds, stats
 
     def close(self) -> None:
@@ -210,8 +211,9 @@ def run_spec(spec: dict) -> tuple[dict[str, np.ndarray], dict]:
             st = {"applied": 0}
         else:
             params = dict(run.get("params", {}))
-            if "exact_random" in params:
-                params["exact_random"] = tuple(params["exact_random"])
+            for key in ("exact_random", "probe"):  # pairs arrive as JSON lists
+                if key in params:
+                    params[key] = tuple(params[key])
             logits, seconds, st = sess.ridgefill(tokens, **params)
         arrays[run["name"]] = logits
         stats[run["name"]] = {**st, "seconds": seconds}
