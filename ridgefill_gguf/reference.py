@@ -193,6 +193,23 @@ class ReferenceModel:
             x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
         return score
 
+    def attention_scores(self, tokens: list[int], layers: list[int], n_query: int) -> np.ndarray:
+        """The attention selector's ranking (paper §2.4): per row, the attention the last n_query rows pay it in the
+        exact forward, summed over those rows, the heads and the given layers."""
+        n = len(tokens)
+        pos = np.arange(n)
+        queries = np.arange(max(n - n_query, 0), n)
+        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        score = np.zeros(n)
+        for layer in range(max(layers) + 1):
+            if layer in layers:
+                w = np.zeros((len(queries), n))
+                self.attention(layer, self.rms(x, self.w(f"blk.{layer}.attn_norm.weight")), pos, queries=queries,
+                               weights=w)
+                score += w.sum(axis=0)
+            x = self.layer(layer, x, pos)
+        return score
+
     def forward(self, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """(logits [n, n_vocab], every layer's input [n, d]) for one sequence from position 0."""
         pos = np.arange(len(tokens))

@@ -143,6 +143,27 @@ def test_the_probe_makes_exact_the_rows_the_last_rows_attend_to_most_as_numpy_ra
     assert rel < 2e-5, rel
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_attention_selector_keeps_the_rows_the_last_rows_attend_to_most_below_the_split(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny[arch]
+    tail, n_query, share = 40, 24, 0.1
+    runs = [{"name": "attention", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
+                                             "exact_rows": [], "attention": [n_query, share, [0]]}}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    ref, mats = reference_and_maps(model, maps)
+    score = ref.attention_scores(tokens[:-1], [0], n_query)
+    prefix = len(tokens) - tail
+    ranked = sorted(range(1, prefix), key=lambda r: -score[r])
+    chosen = sorted(ranked[:int(share * prefix + 0.5)])  # half up, as the engine rounds
+    st = stats["attention"]
+    assert st["n_attention"] == len(chosen) > 0
+    assert st["exact_rows"] == [0] + chosen
+    expected = ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(chosen))[-1]
+    assert np.abs(arrays["attention"] - expected).max() / np.abs(expected).max() < 2e-5
+
+
 def test_a_probe_that_keeps_every_prefix_row_gives_the_plumb_logits(deep_tiny, tmp_path):
     require_builds("ridgefill")
     model, maps = deep_tiny["qwen3"]

@@ -63,6 +63,8 @@ _SIGNATURES = {
     "llama_ridgefill_set_chunk": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
     "llama_ridgefill_set_min_prefix": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
     "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
+    "llama_ridgefill_set_attention_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float,
+                                                             ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                  ctypes.c_int32, ctypes.c_int32]),
 }
@@ -78,7 +80,7 @@ class Stats(ctypes.Structure):
                 ("n_filled", ctypes.c_int32), ("n_exact", ctypes.c_int32), ("n_special", ctypes.c_int32),
                 ("n_tail", ctypes.c_int32), ("t_early_ms", ctypes.c_double), ("t_fill_ms", ctypes.c_double),
                 ("t_exact_ms", ctypes.c_double), ("t_total_ms", ctypes.c_double), ("n_probe", ctypes.c_int32),
-                ("n_probe_exact", ctypes.c_int32), ("t_probe_ms", ctypes.c_double)]
+                ("n_probe_exact", ctypes.c_int32), ("t_probe_ms", ctypes.c_double), ("n_attention", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -140,7 +142,7 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_rows: list[int] | None = None,
               exact_random: tuple[int, int] | None = None, chunk: int | None = None,
               min_prefix: int | None = None, logits_rows: int | None = None,
-              probe: tuple[int, int] | None = None) -> None:
+              probe: tuple[int, int] | None = None, attention: tuple | None = None) -> None:
     """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
     lib = _prefill_lib()
     calls = []
@@ -163,6 +165,12 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
         calls.append(("logits_rows", lib.llama_ridgefill_set_logits_rows(ctx, logits_rows)))
     if probe is not None:  # (rows that run the probe, prefix rows it makes exact)
         calls.append(("probe", lib.llama_ridgefill_set_probe(ctx, *probe)))
+    if attention is not None:  # (query rows, share of the prefix[, layers]): the attention selector
+        n_query, share, *rest = attention
+        layers = list(rest[0]) if rest and rest[0] is not None else None
+        arr = (ctypes.c_int32 * len(layers))(*layers) if layers else None
+        calls.append(("attention", lib.llama_ridgefill_set_attention_rows(ctx, n_query, share, arr,
+                                                                           len(layers) if layers else 0)))
     for name, rc in calls:
         if rc != 0:
             err = lib.llama_ridgefill_last_error().decode()
