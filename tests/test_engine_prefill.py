@@ -117,51 +117,51 @@ def test_the_ridge_arm_matches_an_independent_numpy_computation(arch, deep_tiny,
     assert np.abs(arrays["ridge"] - arrays["identity"]).max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_the_probe_makes_exact_the_rows_the_last_rows_attend_to_most_as_numpy_ranks_them(arch, deep_tiny, tmp_path):
-    require_builds("ridgefill")
+SELECTOR_TAIL = 40
+
+
+def run_selector(arch, deep_tiny, tmp_path, params: dict, scores):
+    """Run one selector on the ridge arm; check that it chose the rows NumPy ranks highest (scores(ref, mats,
+    prompt) gives per-row scores and the count) and that the prefill with them matches NumPy. Returns the stats."""
     model, maps = deep_tiny[arch]
-    tail, n_probe, n_exact = 40, 16, 8
-    runs = [{"name": "probe", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
-                                         "exact_rows": [], "probe": [n_probe, n_exact]}}]
+    runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "chunk": 48, "min_prefix": 0,
+                                       "exact_rows": [], **params}}]
     arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
     tokens = arrays["tokens"].tolist()
     ref, mats = reference_and_maps(model, maps)
     # the engine prefills all but the last token (which follows through llama_decode and counts as tail)
-    score = ref.probe_scores(tokens[:-1], SPLIT, tail - 1, n_probe, mats)
-    prefix = len(tokens) - tail
-    ranked = sorted(range(1, prefix), key=lambda r: -score[r])
-    chosen = sorted(ranked[:n_exact])
-    st = stats["probe"]
-    print(f"{arch}: engine {st['exact_rows']}, numpy {[0] + chosen}; margin {score[ranked[n_exact - 1]] - score[ranked[n_exact]]:.3g}")
-    assert st["applied"] == 1 and st["n_probe"] == n_probe and st["n_probe_exact"] == n_exact
-    assert st["exact_rows"] == [0] + chosen
-    assert st["n_filled"] == prefix - 1 - n_exact
-    # and the prefill with those rows exact is the ridge arm with them as exact rows
-    expected = ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(chosen))[-1]
-    rel = np.abs(arrays["probe"] - expected).max() / np.abs(expected).max()
-    assert rel < 2e-5, rel
+    score, count = scores(ref, mats, tokens[:-1])
+    ranked = sorted(range(1, len(tokens) - SELECTOR_TAIL), key=lambda r: -score[r])
+    chosen = sorted(ranked[:count])
+    st = stats["sel"]
+    print(f"{arch}: engine {st['exact_rows']}, numpy {[0] + chosen}; margin {score[ranked[count - 1]] - score[ranked[count]]:.3g}")
+    assert st["applied"] == 1 and count > 0 and st["exact_rows"] == [0] + chosen
+    expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, set(chosen))[-1]
+    assert np.abs(arrays["sel"] - expected).max() / np.abs(expected).max() < 2e-5
+    return st
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_probe_makes_exact_the_rows_the_last_rows_attend_to_most_as_numpy_ranks_them(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    n_probe, n_exact = 16, 8
+    st = run_selector(arch, deep_tiny, tmp_path, {"probe": [n_probe, n_exact]},
+                      lambda ref, mats, prompt: (ref.probe_scores(prompt, SPLIT, SELECTOR_TAIL - 1, n_probe, mats),
+                                                 n_exact))
+    assert st["n_probe"] == n_probe and st["n_probe_exact"] == n_exact
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_attention_selector_keeps_the_rows_the_last_rows_attend_to_most_below_the_split(arch, deep_tiny, tmp_path):
     require_builds("ridgefill")
-    model, maps = deep_tiny[arch]
-    tail, n_query, share = 40, 24, 0.1
-    runs = [{"name": "attention", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
-                                             "exact_rows": [], "attention": [n_query, share, [0]]}}]
-    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
-    tokens = arrays["tokens"].tolist()
-    ref, mats = reference_and_maps(model, maps)
-    score = ref.attention_scores(tokens[:-1], [0], n_query)
-    prefix = len(tokens) - tail
-    ranked = sorted(range(1, prefix), key=lambda r: -score[r])
-    chosen = sorted(ranked[:int(share * prefix + 0.5)])  # half up, as the engine rounds
-    st = stats["attention"]
-    assert st["n_attention"] == len(chosen) > 0
-    assert st["exact_rows"] == [0] + chosen
-    expected = ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(chosen))[-1]
-    assert np.abs(arrays["attention"] - expected).max() / np.abs(expected).max() < 2e-5
+    n_query, share = 24, 0.1
+
+    def scores(ref, mats, prompt):
+        prefix = len(prompt) + 1 - SELECTOR_TAIL
+        return ref.attention_scores(prompt, [0], n_query), int(share * prefix + 0.5)  # half up, as the engine
+
+    st = run_selector(arch, deep_tiny, tmp_path, {"attention": [n_query, share, [0]]}, scores)
+    assert st["n_attention"] == st["n_exact"] - 1
 
 
 def test_a_probe_that_keeps_every_prefix_row_gives_the_plumb_logits(deep_tiny, tmp_path):
