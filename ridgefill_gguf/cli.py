@@ -407,14 +407,23 @@ def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_toke
     click.echo((out_dir / "summary.md").read_text())
 
 
-def _arms(arms: str) -> tuple[str, ...]:
-    from .engine.bindings import FILLS
+def _arms(arms: str, selectors: bool = False) -> tuple[str, ...]:
+    """Comma-separated arms: fills (ridge, identity, none, plumb, oracle), and with selectors also fill+probe,
+    fill+attention and fill+random:probe|attention (eval/arms.py)."""
+    from .eval.arms import FILLS, parse_arms
 
     arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
-    bad = [a for a in arm_list if a not in FILLS]
-    if bad or not arm_list:
-        raise click.BadParameter(f"unknown arm(s) {', '.join(bad) or '(none)'}; expected some of {', '.join(FILLS)}",
-                                 param_hint="--arms")
+    if not arm_list:
+        raise click.BadParameter("no arms given", param_hint="--arms")
+    if not selectors:
+        bad = [a for a in arm_list if a not in FILLS]
+        if bad:
+            raise click.BadParameter(f"unknown arm(s) {', '.join(bad)}; expected some of {', '.join(FILLS)}",
+                                     param_hint="--arms")
+    try:
+        parse_arms(arm_list)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--arms") from None
     return arm_list
 
 
@@ -444,19 +453,28 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
 @click.option("--samples", default=10, show_default=True, help="samples per task and length")
 @click.option("--tail", "tails", multiple=True, type=int, default=(1024,), show_default=True,
               help="exact tail T (repeatable)")
-@click.option("--arms", default="ridge,identity,none", show_default=True)
+@click.option("--arms", default="ridge,identity,none", show_default=True,
+              help="fills, fill+probe, fill+attention, fill+random:probe|attention (count-matched)")
+@click.option("--exact-share", default=0.1, show_default=True, help="share of the prefix a selector keeps exact")
+@click.option("--probe-rows", default=256, show_default=True, help="the probe's rows (the prompt's last)")
+@click.option("--query-rows", default=64, show_default=True, help="the attention selector's query rows")
 @click.option("--format", "fmt", type=click.Choice(["auto", "chat", "completion"]), default="auto",
               show_default=True, help="auto: chat when the model has a chat template")
 @click.option("--seed", default=0, show_default=True)
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
-def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, fmt, seed, threads, n_gpu_layers) -> None:
+def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, probe_rows, query_rows, fmt,
+                 seed, threads, n_gpu_layers) -> None:
     """RULER-style retrieval; accuracy on the samples whose needles lie in the filled region, paired against exact."""
+    from .eval.arms import SelectorOptions
     from .eval.needles import NeedleOptions, run_needles
 
     opts = NeedleOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
-                         arms=_arms(arms), fmt=fmt, seed=seed, threads=threads, n_gpu_layers=n_gpu_layers)
+                         arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
+                         n_gpu_layers=n_gpu_layers,
+                         selectors=SelectorOptions(exact_share=exact_share, probe_rows=probe_rows,
+                                                   query_rows=query_rows, seed=seed))
     try:
         run_needles(model, list(maps), out_dir, opts, log=click.echo)
     except ValueError as e:

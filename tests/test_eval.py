@@ -160,6 +160,42 @@ def test_eval_needles_runs_every_arm_resumes_and_plumb_answers_as_exact(tmp_path
     assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 16
 
 
+def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_selector():
+    from ridgefill_gguf.eval.arms import Arm, SelectorOptions, arm_params, parse_arms
+
+    arms = parse_arms(["ridge", "ridge+probe", "identity+attention", "ridge+random:probe"])
+    assert arms[1] == Arm("ridge+probe", "ridge", selector="probe")
+    assert arms[3] == Arm("ridge+random:probe", "ridge", random_of="probe")
+    for bad in (["ridge+random:probe"], ["fast"], ["ridge+magic"]):
+        with pytest.raises(ValueError):
+            parse_arms(bad)
+    sel = SelectorOptions(exact_share=0.1, probe_rows=128)
+    assert arm_params(arms[1], 1040, 40, sel, {})["probe"] == (128, 100)
+    p = arm_params(arms[3], 1040, 40, sel, {"probe": 97})
+    assert p["exact_random"] == (97, 0) and p["probe"] == (0, 0) and p["attention"][1] == 0.0
+
+
+def test_eval_needles_runs_a_selector_and_its_count_matched_random_control(tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.eval.arms import SelectorOptions
+    from ridgefill_gguf.eval.needles import NeedleOptions, run_needles
+
+    model, maps = _tiny_model_and_maps(tmp_path)
+    opts = NeedleOptions(tasks=("single",), lengths=(700,), samples=2, tails=(128,),
+                         arms=("ridge+probe", "ridge+random:probe", "ridge"), fmt="completion", threads=2,
+                         flash_attn=False, selectors=SelectorOptions(exact_share=0.1, probe_rows=32))
+    run_needles(model, [maps], tmp_path / "out", opts, log=lambda _: None)
+    answers = {(a["sample"], a["arm"]): a for a in
+               map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    for i in range(2):
+        probe, rand = answers[(f"single-700-{i}", "ridge+probe")], answers[(f"single-700-{i}", "ridge+random:probe")]
+        chosen = probe["stats"]["n_probe_exact"]
+        assert chosen > 40  # a tenth of the ~570-row prefix
+        assert rand["stats"]["n_exact"] - rand["stats"]["n_special"] == chosen
+        # the plain arm after them runs without a selector: the engine's parameters were reset
+        assert answers[(f"single-700-{i}", "ridge")]["stats"]["n_exact"] == probe["stats"]["n_special"]
+
+
 def test_eval_agreement_gives_plumb_zero_kl_and_full_agreement_and_ridge_some_divergence(tmp_path):
     require_builds("ridgefill")
     from ridgefill_gguf.eval.agreement import AgreementOptions, run_agreement

@@ -44,6 +44,8 @@ class Session:
         key = (str(maps), placement)
         if key not in self._loaded:
             self._loaded[key] = self.bindings.load_maps(self.llm.model, maps, placement)
+        if self.maps is self._loaded[key]:
+            return  # attaching again would drop the context's RidgeFill buffers
         self.maps = self._loaded[key]
         self.bindings.attach(self.ctx, self.maps)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..util import hardware, write_atomic
+from .arms import SelectorOptions, arm_params, parse_arms, selected
 from .documents import append_jsonl, load_jsonl
 from .stats import bootstrap_mean
 
@@ -148,7 +149,7 @@ class NeedleOptions:
     n_gpu_layers: int = 0
     flash_attn: bool = True
     min_prefix: int = 256
-    extra: dict = field(default_factory=dict)
+    selectors: SelectorOptions = field(default_factory=SelectorOptions)
 
 
 def config_name(split: int, tail: int) -> str:
@@ -164,6 +165,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     for t in opts.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task '{t}': one of {', '.join(TASKS)}")
+    arms = parse_arms(opts.arms)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
@@ -190,8 +192,8 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
         else:
             logits, _, st = sess.ridgefill(tokens, **params)
         out = sess.greedy(logits, len(tokens), MAX_NEW[task])
-        return {"pred": sess.detokenize(out), "stats": {k: st.get(k) for k in ("applied", "n_filled", "n_exact",
-                                                                                  "n_tail", "reason") if k in st}}
+        keep = ("applied", "n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "reason")
+        return {"pred": sess.detokenize(out), "stats": {k: st[k] for k in keep if k in st}}
 
     samples: list[Sample] = []
     t0, n_new = time.perf_counter(), 0
@@ -202,27 +204,32 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
                 for index in range(opts.samples):
                     sample, tokens = builder.build(task, length, index, opts.seed)
                     samples.append(sample)
-                    jobs = [("exact", "exact", {})]
+                    # the exact arm once, then per configuration every arm in order (a random arm takes the
+                    # count its selector chose on this sample)
+                    jobs = [("exact", None, None, None)]
                     for m, split in splits.items():
                         for tail in opts.tails:
-                            if sample.n_tokens - tail < opts.min_prefix:
-                                continue  # the length does not allow this tail
-                            for arm in opts.arms:
-                                jobs.append((config_name(split, tail), arm,
-                                             {"maps": m, "fill": arm, "tail": tail, "min_prefix": 0}))
-                    marks = []
-                    for config, arm, params in jobs:
-                        key = (sample.sample_id, config, arm)
+                            if sample.n_tokens - tail >= opts.min_prefix:  # else the length does not allow the tail
+                                jobs += [(config_name(split, tail), m, tail, arm) for arm in arms]
+                    marks, counts = [], {}
+                    for config, m, tail, arm in jobs:
+                        name = "exact" if arm is None else arm.name
+                        key = (sample.sample_id, config, name)
                         if key not in done:
-                            if params:
-                                sess.attach(params.pop("maps"))
-                            r = answer(tokens, task, config, arm, **params)
-                            r.update(sample=sample.sample_id, config=config, arm=arm,
+                            if arm is None:
+                                r = answer(tokens, task, config, "exact")
+                            else:
+                                sess.attach(m)
+                                params = arm_params(arm, len(tokens), tail, opts.selectors, counts.get(config, {}))
+                                r = answer(tokens, task, config, name, tail=tail, min_prefix=0, **params)
+                            r.update(sample=sample.sample_id, config=config, arm=name,
                                      score=ruler_string_match_all(r["pred"], sample.answers))
                             append_jsonl(results_path, r)
                             done[key] = r
                             n_new += 1
-                        marks.append(f"{config if arm == 'exact' else config + ' ' + arm} {done[key]['score']:.2f}")
+                        if arm is not None and arm.selector:
+                            counts.setdefault(config, {})[arm.selector] = selected(done[key]["stats"], arm.selector)
+                        marks.append(f"{config if arm is None else config + ' ' + name} {done[key]['score']:.2f}")
                     rate = (time.perf_counter() - t0) / max(n_new, 1)
                     log(f"eval needles: sample {len(samples)}/{total} ({task}, {sample.n_tokens} tokens, needles at "
                         f"rows {[r[0] for r in sample.needle_rows]}): " + ", ".join(marks) +

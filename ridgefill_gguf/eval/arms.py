@@ -1,0 +1,75 @@
+"""Arms of an evaluation: a fill, optionally with a row selector, and the count-matched random control.
+
+  ridge, identity, none (and the checks plumb, oracle)   the fill alone
+  ridge+probe, identity+probe                            the probe keeps exact_share of the prefix exact
+  ridge+attention                                        the attention selector keeps exact_share
+  ridge+random:probe, ridge+random:attention             as many random prefix rows as that selector chose on
+                                                         the same sample (paper §3.3's equal-cost control)
+A random arm must come after an arm with its selector, which sets its count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FILLS = ("ridge", "identity", "none", "plumb", "oracle")
+SELECTORS = ("probe", "attention")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    fill: str
+    selector: str | None = None
+    random_of: str | None = None   # the selector whose count a random arm matches
+
+
+@dataclass
+class SelectorOptions:
+    exact_share: float = 0.1   # of the prefix, for the probe and the attention selector
+    probe_rows: int = 256
+    query_rows: int = 64
+    seed: int = 0
+
+
+def parse_arm(name: str) -> Arm:
+    fill, _, rest = name.partition("+")
+    if fill not in FILLS:
+        raise ValueError(f"arm '{name}': unknown fill '{fill}' (one of {', '.join(FILLS)})")
+    if not rest:
+        return Arm(name, fill)
+    if rest in SELECTORS:
+        return Arm(name, fill, selector=rest)
+    kind, _, of = rest.partition(":")
+    if kind == "random" and of in SELECTORS:
+        return Arm(name, fill, random_of=of)
+    raise ValueError(f"arm '{name}': unknown selector '{rest}' (one of {', '.join(SELECTORS)}, "
+                     f"or random:{'|'.join(SELECTORS)})")
+
+
+def parse_arms(names: tuple[str, ...] | list[str]) -> list[Arm]:
+    arms, seen = [], set()
+    for name in names:
+        arm = parse_arm(name)
+        if arm.random_of and arm.random_of not in seen:
+            raise ValueError(f"arm '{name}' matches the count of a '{arm.random_of}' arm, which must come before it")
+        seen.add(arm.selector)
+        arms.append(arm)
+    return arms
+
+
+def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts: dict[str, int]) -> dict:
+    """Every prefill parameter the arm sets, selectors off unless it uses one (the engine keeps parameters)."""
+    params = {"fill": arm.fill, "probe": (0, 0), "attention": (sel.query_rows, 0.0, None), "exact_random": (0, 0)}
+    count = int(sel.exact_share * max(n_prompt - tail, 0) + 0.5)
+    if arm.selector == "probe":
+        params["probe"] = (sel.probe_rows, count)
+    elif arm.selector == "attention":
+        params["attention"] = (sel.query_rows, sel.exact_share, None)
+    if arm.random_of:
+        params["exact_random"] = (counts[arm.random_of], sel.seed)
+    return params
+
+
+def selected(stats: dict, selector: str) -> int:
+    """How many prefix rows a selector made exact, from a prefill's statistics."""
+    return int(stats["n_probe_exact"] if selector == "probe" else stats["n_attention"])
