@@ -366,8 +366,12 @@ def eval_group() -> None:
     """The paper's quality instruments, paired against exact (`docs/eval.md`)."""
 
 
-def _document_options(f):
+def _document_options(default_arms: str):
     """The options every document-based instrument takes (nll, agreement)."""
+    return lambda f: _with_document_options(f, default_arms)
+
+
+def _with_document_options(f, default_arms: str):
     options = [
         click.argument("model", type=click.Path(exists=True, dir_okay=False)),
         click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False),
@@ -376,7 +380,7 @@ def _document_options(f):
                      help="text files or folders of long documents (repeatable)"),
         click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
                      help="results folder; a run that stopped resumes from it"),
-        click.option("--arms", default="ridge,identity,none", show_default=True,
+        click.option("--arms", default=default_arms, show_default=True,
                      help="comma-separated: ridge, identity, none (and the checks plumb, oracle)"),
         click.option("--tail", default=1024, show_default=True),
         click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped"),
@@ -391,7 +395,7 @@ def _document_options(f):
 
 
 @eval_group.command("nll")
-@_document_options
+@_document_options("ridge,identity,none")
 @click.option("--score", default=512, show_default=True, help="the last tokens of each document that are scored")
 def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_tokens, max_docs, threads,
              n_gpu_layers) -> None:
@@ -407,7 +411,7 @@ def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_toke
     click.echo((out_dir / "summary.md").read_text())
 
 
-def _arms(arms: str, selectors: bool = False) -> tuple[str, ...]:
+def _arms(arms: str, selectors: bool = False, generates: bool = False) -> tuple[str, ...]:
     """Comma-separated arms: fills (ridge, identity, none, plumb, oracle), and with selectors also fill+probe,
     fill+attention and fill+random:probe|attention (eval/arms.py)."""
     from .eval.arms import FILLS, parse_arms
@@ -421,7 +425,7 @@ def _arms(arms: str, selectors: bool = False) -> tuple[str, ...]:
             raise click.BadParameter(f"unknown arm(s) {', '.join(bad)}; expected some of {', '.join(FILLS)}",
                                      param_hint="--arms")
     try:
-        parse_arms(arm_list)
+        parse_arms(arm_list, generates=generates)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--arms") from None
     return arm_list
@@ -453,8 +457,9 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
 @click.option("--samples", default=10, show_default=True, help="samples per task and length")
 @click.option("--tail", "tails", multiple=True, type=int, default=(1024,), show_default=True,
               help="exact tail T (repeatable)")
-@click.option("--arms", default="ridge,identity,none", show_default=True,
-              help="fills, fill+probe, fill+attention, fill+random:probe|attention (count-matched)")
+@click.option("--arms", default="ridge,identity", show_default=True,
+              help="fills (not none: it cannot generate), fill+probe, fill+attention, fill+random:probe|attention "
+                   "(count-matched)")
 @click.option("--exact-share", default=0.1, show_default=True, help="share of the prefix a selector keeps exact")
 @click.option("--probe-rows", default=256, show_default=True, help="the probe's rows (the prompt's last)")
 @click.option("--query-rows", default=64, show_default=True, help="the attention selector's query rows")
@@ -471,7 +476,7 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 
     opts = NeedleOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
-                         arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
+                         arms=_arms(arms, selectors=True, generates=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers,
                          selectors=SelectorOptions(exact_share=exact_share, probe_rows=probe_rows,
                                                    query_rows=query_rows, seed=seed))
@@ -483,15 +488,15 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 
 
 @eval_group.command("agreement")
-@_document_options
+@_document_options("ridge,identity")
 @click.option("--continue-tokens", default=256, show_default=True, help="length of the exact greedy continuation")
 def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_tokens, max_tokens, max_docs,
                    threads, n_gpu_layers) -> None:
     """KL(exact || arm) and top-1 agreement along the exact greedy continuation, with bootstrap intervals."""
     from .eval.agreement import AgreementOptions, run_agreement
 
-    opts = AgreementOptions(arms=_arms(arms), tail=tail, continue_tokens=continue_tokens, min_tokens=min_tokens,
-                            max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers)
+    opts = AgreementOptions(arms=_arms(arms, generates=True), tail=tail, continue_tokens=continue_tokens,
+                            min_tokens=min_tokens, max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers)
     try:
         run_agreement(model, maps, list(docs), out_dir, opts, log=click.echo)
     except ValueError as e:

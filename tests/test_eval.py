@@ -140,7 +140,7 @@ def test_eval_needles_runs_every_arm_resumes_and_plumb_answers_as_exact(tmp_path
 
     model, maps = _tiny_model_and_maps(tmp_path)
     opts = NeedleOptions(tasks=("single", "multiquery"), lengths=(700,), samples=2, tails=(128,),
-                         arms=("plumb", "ridge", "none"), fmt="completion", threads=2, flash_attn=False)
+                         arms=("plumb", "ridge", "identity"), fmt="completion", threads=2, flash_attn=False)
     logs = []
     r = run_needles(model, [maps], tmp_path / "out", opts, log=logs.append)
     answers = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
@@ -173,6 +173,14 @@ def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_select
     assert arm_params(arms[1], 1040, 40, sel, {})["probe"] == (128, 100)
     p = arm_params(arms[3], 1040, 40, sel, {"probe": 97})
     assert p["exact_random"] == (97, 0) and p["probe"] == (0, 0) and p["attention"][1] == 0.0
+
+
+def test_arms_that_generate_refuse_the_none_fill_by_name():
+    from ridgefill_gguf.eval.arms import parse_arms
+
+    with pytest.raises(ValueError, match="fill 'none' cannot generate"):
+        parse_arms(["ridge", "none"], generates=True)
+    assert [a.fill for a in parse_arms(["ridge", "none"])] == ["ridge", "none"]  # the loss instrument takes it
 
 
 def test_eval_needles_runs_a_selector_and_its_count_matched_random_control(tmp_path):

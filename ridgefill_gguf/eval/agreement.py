@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ..util import hardware, write_atomic
+from .arms import parse_arms
 from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents
 from .stats import bootstrap_mean
 
@@ -25,6 +26,7 @@ from .stats import bootstrap_mean
 
 @dataclass
 class AgreementOptions(DocumentOptions):
+    arms: tuple[str, ...] = ("ridge", "identity")
     continue_tokens: int = 256
 
 
@@ -46,6 +48,7 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
     from ..engine.session import Session
     from ..gguf_io import read_gguf
 
+    parse_arms(opts.arms, generates=True)  # the arms are fed the continuation through decode steps
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "documents.jsonl"

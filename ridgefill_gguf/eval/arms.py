@@ -46,10 +46,18 @@ def parse_arm(name: str) -> Arm:
                      f"or random:{'|'.join(SELECTORS)})")
 
 
-def parse_arms(names: tuple[str, ...] | list[str]) -> list[Arm]:
+# fill=none hides the filled rows inside the prefill only: a token decoded afterwards reads their unwritten
+# late-layer cells (llama.cpp masks cells, not cells per layer), so an arm that generates cannot use it
+NONE_GENERATES = ("fill 'none' cannot generate: decode steps after the prefill would read the filled rows' unwritten "
+                  "late-layer cells; measure it through the prefill's own logits (eval nll)")
+
+
+def parse_arms(names: tuple[str, ...] | list[str], generates: bool = False) -> list[Arm]:
     arms, seen = [], set()
     for name in names:
         arm = parse_arm(name)
+        if generates and arm.fill == "none":
+            raise ValueError(f"arm '{name}': {NONE_GENERATES}")
         if arm.random_of and arm.random_of not in seen:
             raise ValueError(f"arm '{name}' matches the count of a '{arm.random_of}' arm, which must come before it")
         seen.add(arm.selector)

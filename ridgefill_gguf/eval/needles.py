@@ -30,7 +30,7 @@ from .documents import append_jsonl, load_jsonl
 from .stats import bootstrap_mean
 
 TASKS = ("single", "multikey", "multivalue", "multiquery")
-ARMS = ("ridge", "identity", "none")
+ARMS = ("ridge", "identity")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 N_NEEDLES = {"single": 1, "multikey": 4, "multivalue": 4, "multiquery": 4}
 MAX_NEW = {"single": 24, "multikey": 24, "multivalue": 64, "multiquery": 64}
@@ -165,7 +165,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     for t in opts.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task '{t}': one of {', '.join(TASKS)}")
-    arms = parse_arms(opts.arms)
+    arms = parse_arms(opts.arms, generates=True)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"

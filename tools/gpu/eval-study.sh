@@ -5,7 +5,7 @@
 #   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement ...]
 # Results accumulate under $HOME/ridgefill/study (every instrument resumes) and are copied to $OUT/study at the
 # end of each call, whatever was reached. STEP_TIMEOUT (s) bounds each instrument run; ARMS (needles only) adds
-# selector arms, e.g. ARMS=ridge,identity,none,ridge+probe,ridge+random:probe,identity+probe (issue 8).
+# selector arms, e.g. ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
@@ -32,7 +32,7 @@ for inst in $instruments; do
     case "$inst" in
     needles)
         step needles "$model" "${maps_args[@]}" "${tail_args[@]}" --lengths "$lengths" --samples "${SAMPLES:-8}" \
-            --arms "${ARMS:-ridge,identity,none}" --out "$study/needles-$which" -ngl 99 ;;
+            --arms "${ARMS:-ridge,identity}" --out "$study/needles-$which" -ngl 99 ;;
     nll|agreement)
         for s in $splits; do for t in $tails; do
             extra=(); [ "$inst" = nll ] && extra=(--score 512)
