@@ -67,6 +67,26 @@ def test_the_ridgefill_flags_can_come_from_the_environment(model_and_maps):
     assert "RidgeFill on: split 1, fill identity, tail 100" in (d / "env.log").read_text()
 
 
+def test_the_exact_row_selector_is_set_per_server_and_per_request(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    extra = ("--ridgefill-select", "probe", "--ridgefill-exact-share", "0.2", "--ridgefill-probe-rows", "32")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "select.log") as srv:
+        probe = srv.complete(PROMPT, n_predict=2)["timings"]["ridgefill"]
+        attention = srv.complete(PROMPT, n_predict=2, ridgefill_select="attention",
+                                 ridgefill_exact_share=0.05)["timings"]["ridgefill"]
+        plain = srv.complete(PROMPT, n_predict=2, ridgefill_select="none")["timings"]["ridgefill"]
+        again = srv.complete(PROMPT, n_predict=2)["timings"]["ridgefill"]  # the server's setting comes back
+        with pytest.raises(ServerError, match="ridgefill_select must be none, probe or attention"):
+            srv.complete(PROMPT, n_predict=2, ridgefill_select="magic")
+    prefix = probe["filled"] + probe["exact"]
+    assert probe["select"] == "probe" and probe["selected"] == round(0.2 * prefix) and probe["probe_ms"] > 0
+    assert plain["select"] == "none" and plain["selected"] == 0 and plain["exact"] == plain["special"]
+    assert attention["select"] == "attention" and attention["selected"] == 0  # split 1: no layer 3, 7, 11, 15 below
+    assert again == {**again, "select": "probe", "selected": probe["selected"]}
+    assert "exact rows: probe" in (d / "select.log").read_text()
+
+
 def test_a_maps_file_that_does_not_fit_is_refused_by_name_and_the_server_serves_stock(model_and_maps):
     require_builds("ridgefill")
     model, _, bad_maps, d = model_and_maps

@@ -63,6 +63,7 @@ _SIGNATURES = {
     "llama_ridgefill_set_chunk": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
     "llama_ridgefill_set_min_prefix": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
     "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
+    "llama_ridgefill_set_probe_share": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
     "llama_ridgefill_set_attention_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float,
                                                              ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
