@@ -296,6 +296,10 @@ def corpus(folder: Path | None) -> None:
 @click.option("--placement", type=click.Choice(["resident", "streamed"]), default="resident", show_default=True)
 @click.option("--fill", type=click.Choice(["ridge", "identity", "none"]), default="ridge", show_default=True)
 @click.option("--min-prefix", type=int, default=None, help="shorter prefixes run stock (engine default 256)")
+@click.option("--select", type=click.Choice(["none", "probe", "attention"]), default="none", show_default=True,
+              help="prefix rows that run exactly besides the tail (docs/engine.md)")
+@click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
+              "exact (default 0.1)")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
               help=f"context size (default: the model's, at most {32768})")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -304,15 +308,16 @@ def corpus(folder: Path | None) -> None:
 @click.option("-ngl", "--n-gpu-layers", type=int, default=None)
 @click.option("--log", "log_path", type=click.Path(dir_okay=False), default=None, help="server log file")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def serve(model, maps, tail, placement, fill, min_prefix, n_ctx, host, port, threads, n_gpu_layers, log_path,
-          extra) -> None:
+def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, n_ctx, host, port, threads, n_gpu_layers,
+          log_path, extra) -> None:
     """Start the patched llama-server on MODEL with RidgeFill MAPS; print where it listens.
 
     Arguments after `--` go to llama-server unchanged. Each request may send "ridgefill": false to prefill
     the stock way; responses carry the prefill's statistics in timings.ridgefill."""
     from .serve import Server, ServerError
 
-    srv = Server(model, maps, tail=tail, placement=placement, fill=fill, min_prefix=min_prefix, n_ctx=n_ctx,
+    srv = Server(model, maps, tail=tail, placement=placement, fill=fill, min_prefix=min_prefix, select=select,
+                 exact_share=exact_share, n_ctx=n_ctx,
                  host=host, port=port, threads=threads, n_gpu_layers=n_gpu_layers, extra=tuple(extra),
                  log_path=log_path)
     click.echo(f"starting: {' '.join(srv.command)}")
