@@ -157,19 +157,23 @@ class ReferenceModel:
         return self.logits(x[max(n - tail, 0):])
 
     def probe_scores(self, tokens: list[int], split: int, tail: int, n_probe: int,
-                     maps: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+                     maps: dict[int, tuple[np.ndarray, np.ndarray]], blind: bool = False) -> np.ndarray:
         """The probe's ranking (paper §2.4) as the engine computes it, for fill="ridge": per row, the attention
         the last n_probe rows pay it, summed over their rows, the heads and the late layers. In each late layer the
         prefix rows other than row 0 hold their predicted K/V, row 0 runs exactly, and the probe rows run exactly
-        over that cache with the tail's other rows hidden."""
+        over that cache with the tail's other rows hidden. blind: the probe rows are the prefix's last rows (exact
+        in this pass), and the tail is hidden."""
         n = len(tokens)
         pos = np.arange(n)
         prefix_end = max(n - tail, 0)
-        probe = np.arange(n - n_probe, n)
+        end = prefix_end if blind else n
+        probe = np.arange(end - n_probe, end)
         filled = np.zeros(n, bool)
         filled[1:prefix_end] = True
+        filled[probe] = False
         visible = np.ones(n, bool)
-        visible[prefix_end:n - n_probe] = False
+        visible[prefix_end:] = False
+        visible[probe] = True
         rows = np.concatenate([[0], probe])
         x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
         for layer in range(split):
@@ -193,12 +197,14 @@ class ReferenceModel:
             x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
         return score
 
-    def attention_scores(self, tokens: list[int], layers: list[int], n_query: int) -> np.ndarray:
-        """The attention selector's ranking (paper §2.4): per row, the attention the last n_query rows pay it in the
-        exact forward, summed over those rows, the heads and the given layers."""
+    def attention_scores(self, tokens: list[int], layers: list[int], n_query: int, end: int | None = None) -> np.ndarray:
+        """The attention selector's ranking (paper §2.4): per row, the attention the n_query rows before `end`
+        (default: the prompt's last rows) pay it in the exact forward, summed over those rows, the heads and the
+        given layers."""
         n = len(tokens)
         pos = np.arange(n)
-        queries = np.arange(max(n - n_query, 0), n)
+        end = n if end is None else end
+        queries = np.arange(max(end - n_query, 0), end)
         x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
         score = np.zeros(n)
         for layer in range(max(layers) + 1):

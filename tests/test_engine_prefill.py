@@ -164,6 +164,33 @@ def test_the_attention_selector_keeps_the_rows_the_last_rows_attend_to_most_belo
     assert st["n_attention"] == st["n_exact"] - 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_question_blind_probe_ranks_by_the_prefixs_last_rows_and_leaves_them_filled(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    n_probe, n_exact = 16, 8
+
+    def scores(ref, mats, prompt):
+        score = ref.probe_scores(prompt, SPLIT, SELECTOR_TAIL - 1, n_probe, mats, blind=True)
+        prefix = len(prompt) + 1 - SELECTOR_TAIL
+        score[prefix - n_probe:prefix] = -np.inf  # its own rows are not candidates
+        return score, n_exact
+
+    st = run_selector(arch, deep_tiny, tmp_path, {"probe": [n_probe, n_exact], "blind": True}, scores)
+    assert st["n_probe_exact"] == n_exact
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_question_blind_attention_selector_reads_the_prefixs_last_rows(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    n_query, share = 24, 0.1
+
+    def scores(ref, mats, prompt):
+        prefix = len(prompt) + 1 - SELECTOR_TAIL
+        return ref.attention_scores(prompt, [0], n_query, end=prefix), int(share * prefix + 0.5)
+
+    run_selector(arch, deep_tiny, tmp_path, {"attention": [n_query, share, [0]], "blind": True}, scores)
+
+
 def test_a_probe_that_keeps_every_prefix_row_gives_the_plumb_logits(deep_tiny, tmp_path):
     require_builds("ridgefill")
     model, maps = deep_tiny["qwen3"]

@@ -172,7 +172,9 @@ def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_select
     sel = SelectorOptions(exact_share=0.1, probe_rows=128)
     assert arm_params(arms[1], 1040, 40, sel, {})["probe"] == (128, 100)
     p = arm_params(arms[3], 1040, 40, sel, {"probe": 97})
-    assert p["exact_random"] == (97, 0) and p["probe"] == (0, 0) and p["attention"][1] == 0.0
+    assert p["exact_random"] == (97, 0) and p["probe"] == (0, 0) and p["attention"][1] == 0.0 and not p["blind"]
+    blind = arm_params(parse_arms(["ridge+blind-probe"])[0], 1040, 40, sel, {})
+    assert blind["blind"] and blind["probe"] == (128, 100)
 
 
 def test_arms_that_generate_refuse_the_none_fill_by_name():

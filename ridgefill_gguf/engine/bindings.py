@@ -64,6 +64,7 @@ _SIGNATURES = {
     "llama_ridgefill_set_min_prefix": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
     "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_set_probe_share": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
+    "llama_ridgefill_set_selector_blind": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
     "llama_ridgefill_set_attention_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float,
                                                              ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
@@ -143,7 +144,8 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_rows: list[int] | None = None,
               exact_random: tuple[int, int] | None = None, chunk: int | None = None,
               min_prefix: int | None = None, logits_rows: int | None = None,
-              probe: tuple[int, int] | None = None, attention: tuple | None = None) -> None:
+              probe: tuple[int, int] | None = None, attention: tuple | None = None,
+              blind: bool | None = None) -> None:
     """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
     lib = _prefill_lib()
     calls = []
@@ -166,6 +168,8 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
         calls.append(("logits_rows", lib.llama_ridgefill_set_logits_rows(ctx, logits_rows)))
     if probe is not None:  # (rows that run the probe, prefix rows it makes exact)
         calls.append(("probe", lib.llama_ridgefill_set_probe(ctx, *probe)))
+    if blind is not None:  # the question-blind control: the selectors' queries end before the tail
+        calls.append(("blind", lib.llama_ridgefill_set_selector_blind(ctx, blind)))
     if attention is not None:  # (query rows, share of the prefix[, layers]): the attention selector
         n_query, share, *rest = attention
         layers = list(rest[0]) if rest and rest[0] is not None else None

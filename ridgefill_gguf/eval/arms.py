@@ -3,6 +3,8 @@
   ridge, identity, none (and the checks plumb, oracle)   the fill alone
   ridge+probe, identity+probe                            the probe keeps exact_share of the prefix exact
   ridge+attention                                        the attention selector keeps exact_share
+  ridge+blind-probe, ridge+blind-attention               the question-blind controls: the selector's query rows
+                                                         end before the tail, so it cannot see the question
   ridge+random:probe, ridge+random:attention             as many random prefix rows as that selector chose on
                                                          the same sample (paper §3.3's equal-cost control)
 A random arm must come after an arm with its selector, which sets its count.
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FILLS = ("ridge", "identity", "none", "plumb", "oracle")
-SELECTORS = ("probe", "attention")
+SELECTORS = ("probe", "attention", "blind-probe", "blind-attention")
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,13 @@ def parse_arms(names: tuple[str, ...] | list[str], generates: bool = False) -> l
 
 def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts: dict[str, int]) -> dict:
     """Every prefill parameter the arm sets, selectors off unless it uses one (the engine keeps parameters)."""
-    params = {"fill": arm.fill, "probe": (0, 0), "attention": (sel.query_rows, 0.0, None), "exact_random": (0, 0)}
+    params = {"fill": arm.fill, "probe": (0, 0), "attention": (sel.query_rows, 0.0, None), "exact_random": (0, 0),
+              "blind": bool(arm.selector and arm.selector.startswith("blind-"))}
     count = int(sel.exact_share * max(n_prompt - tail, 0) + 0.5)
-    if arm.selector == "probe":
+    kind = arm.selector.removeprefix("blind-") if arm.selector else None
+    if kind == "probe":
         params["probe"] = (sel.probe_rows, count)
-    elif arm.selector == "attention":
+    elif kind == "attention":
         params["attention"] = (sel.query_rows, sel.exact_share, None)
     if arm.random_of:
         params["exact_random"] = (counts[arm.random_of], sel.seed)
@@ -80,4 +84,4 @@ def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts:
 
 def selected(stats: dict, selector: str) -> int:
     """How many prefix rows a selector made exact, from a prefill's statistics."""
-    return int(stats["n_probe_exact"] if selector == "probe" else stats["n_attention"])
+    return int(stats["n_probe_exact"] if selector.endswith("probe") else stats["n_attention"])
