@@ -64,11 +64,22 @@ class ReferenceModel:
         b = self.w(name + ".bias")
         return y if b is None else y + b
 
+    def kv(self, layer: int, h: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Layer `layer`'s K (normed, roped) and V of normalized inputs h: [n, n_head_kv, head_dim] each."""
+        hp, p = self.hp, f"blk.{layer}."
+        k = self.linear(h, p + "attn_k").reshape(len(h), hp.n_head_kv, hp.head_dim)
+        v = self.linear(h, p + "attn_v").reshape(len(h), hp.n_head_kv, hp.head_dim)
+        if self.w(p + "attn_k_norm.weight") is not None:
+            k = self.rms(k, self.w(p + "attn_k_norm.weight"))
+        return self.rope(k, pos), v
+
     def attention(self, layer: int, h: np.ndarray, pos: np.ndarray, queries: np.ndarray | None = None,
-                  visible: np.ndarray | None = None, weights: np.ndarray | None = None) -> np.ndarray:
+                  visible: np.ndarray | None = None, weights: np.ndarray | None = None,
+                  kv_scale: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Causal attention of the `queries` rows (default: all) over the `visible` rows (default: all) of h,
         the normalized inputs of every row; returns the attention output of the query rows. `weights`, when given
-        ([len(queries), n] float64), receives the attention probabilities summed over the heads."""
+        ([len(queries), n] float64), receives the attention probabilities summed over the heads. kv_scale = (rows,
+        k factors, v factors): the K and V of those rows times per-KV-head factors (the rescales)."""
         hp, p = self.hp, f"blk.{layer}."
         n = len(h)
         queries = np.arange(n) if queries is None else queries
@@ -78,6 +89,10 @@ class ReferenceModel:
         if self.w(p + "attn_q_norm.weight") is not None:
             q, k = self.rms(q, self.w(p + "attn_q_norm.weight")), self.rms(k, self.w(p + "attn_k_norm.weight"))
         q, k = self.rope(q, pos[queries]), self.rope(k, pos)
+        if kv_scale is not None:
+            rows, fk, fv = kv_scale
+            k[rows] *= fk[None, :, None]
+            v[rows] *= fv[None, :, None]
         group = hp.n_head // hp.n_head_kv
         allowed = pos[None, :] <= pos[queries][:, None]
         if visible is not None:
@@ -115,13 +130,16 @@ class ReferenceModel:
 
     def ridgefill_forward(self, tokens: list[int], split: int, tail: int, fill: str = "ridge",
                           maps: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
-                          exact_rows: set[int] | None = None) -> np.ndarray:
+                          exact_rows: set[int] | None = None, rescale: tuple[int, bool, bool] | None = None
+                          ) -> np.ndarray:
         """The RidgeFill arm (paper §2.1), row-exact: logits of the tail rows.
 
         Layers below `split` run every row. From `split` on, prefix rows that are not exact (row 0 always is)
         only write K/V, from a predicted input: A_l x_S + b_l (fill="ridge", l > split; layer `split` reads
         x_S), x_S ("identity"), the true input ("oracle"), or nothing, hidden from later rows ("none").
-        The tail and the exact rows run every layer over that cache."""
+        The tail and the exact rows run every layer over that cache. rescale = (c, values, keys): in each late layer
+        after the split, per KV head, the mean norm of V (K) of the tail's first c rows from their true input over
+        the one from their prediction scales the filled rows' V (K) (paper §2.3)."""
         if fill not in ("ridge", "identity", "oracle", "none"):
             raise ValueError(f"fill must be ridge, identity, oracle or none, not {fill!r}")
         n = len(tokens)
@@ -150,7 +168,18 @@ class ReferenceModel:
             p = f"blk.{layer}."
             h = self.rms(inp, self.w(p + "attn_norm.weight"))
             visible = exact if fill == "none" else None
-            att = self.attention(layer, h, pos, queries=rows, visible=visible)
+            kv_scale = None
+            if rescale and layer > split and fill in ("ridge", "identity"):
+                c, values, keys = rescale
+                first = np.arange(max(n - tail, 0), n)[:c]
+                pred = x_split[first] @ a.T + b if fill == "ridge" else x_split[first]
+                kt, vt = self.kv(layer, self.rms(x[first], self.w(p + "attn_norm.weight")), pos[first])
+                kp, vp = self.kv(layer, self.rms(pred, self.w(p + "attn_norm.weight")), pos[first])
+                ratio = lambda t, q: np.linalg.norm(t, axis=2).mean(0) / np.linalg.norm(q, axis=2).mean(0)  # noqa: E731
+                ones = np.ones(self.hp.n_head_kv, np.float32)
+                kv_scale = (filled, ratio(kt, kp).astype(np.float32) if keys else ones,
+                            ratio(vt, vp).astype(np.float32) if values else ones)
+            att = self.attention(layer, h, pos, queries=rows, visible=visible, kv_scale=kv_scale)
             y = x[rows] + att
             x = x.copy()
             x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))

@@ -191,6 +191,41 @@ def test_the_question_blind_attention_selector_reads_the_prefixs_last_rows(arch,
     run_selector(arch, deep_tiny, tmp_path, {"attention": [n_query, share, [0]], "blind": True}, scores)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_value_and_key_rescales_match_an_independent_numpy_computation(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny[arch]
+    tail, c = 40, 16
+    base = {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0, "exact_rows": []}
+    runs = [{"name": "plain", "params": {**base, "rescale": [0, False, False]}},
+            {"name": "values", "params": {**base, "rescale": [c, True, False]}},
+            {"name": "both", "params": {**base, "rescale": [c, True, True]}}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    ref, mats = reference_and_maps(model, maps)
+    for name, rescale in (("values", (c, True, False)), ("both", (c, True, True))):
+        # the engine prefills all but the last token, so its tail's first rows are the reference's
+        expected = ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, rescale=rescale)[-1]
+        rel = np.abs(arrays[name] - expected).max() / np.abs(expected).max()
+        print(f"{arch} {name}: rel {rel:.2e}")
+        assert rel < 2e-5, (name, rel)
+    assert np.abs(arrays["values"] - arrays["plain"]).max() > 1e-4 * np.abs(arrays["plain"]).max()
+
+
+def test_the_rescales_apply_after_the_probe_chose_its_rows(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["qwen3"]
+    runs = [{"name": "probe", "params": {"fill": "ridge", "tail": 40, "chunk": 48, "min_prefix": 0, "exact_rows": [],
+                                         "probe": [16, 8], "rescale": [16, True, True]}}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    chosen = set(stats["probe"]["exact_rows"]) - {0}
+    assert len(chosen) == 8
+    ref, mats = reference_and_maps(model, maps)
+    expected = ref.ridgefill_forward(tokens, SPLIT, 40, "ridge", mats, chosen, rescale=(16, True, True))[-1]
+    assert np.abs(arrays["probe"] - expected).max() / np.abs(expected).max() < 2e-5
+
+
 def test_a_probe_that_keeps_every_prefix_row_gives_the_plumb_logits(deep_tiny, tmp_path):
     require_builds("ridgefill")
     model, maps = deep_tiny["qwen3"]

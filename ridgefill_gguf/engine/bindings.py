@@ -65,6 +65,7 @@ _SIGNATURES = {
     "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_set_probe_share": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
     "llama_ridgefill_set_selector_blind": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
+    "llama_ridgefill_set_rescale": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool, ctypes.c_bool]),
     "llama_ridgefill_set_attention_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float,
                                                              ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
@@ -145,7 +146,7 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
               exact_random: tuple[int, int] | None = None, chunk: int | None = None,
               min_prefix: int | None = None, logits_rows: int | None = None,
               probe: tuple[int, int] | None = None, attention: tuple | None = None,
-              blind: bool | None = None) -> None:
+              blind: bool | None = None, rescale: tuple[int, bool, bool] | None = None) -> None:
     """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
     lib = _prefill_lib()
     calls = []
@@ -168,6 +169,8 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
         calls.append(("logits_rows", lib.llama_ridgefill_set_logits_rows(ctx, logits_rows)))
     if probe is not None:  # (rows that run the probe, prefix rows it makes exact)
         calls.append(("probe", lib.llama_ridgefill_set_probe(ctx, *probe)))
+    if rescale is not None:  # (tail rows that measure, values, keys)
+        calls.append(("rescale", lib.llama_ridgefill_set_rescale(ctx, *rescale)))
     if blind is not None:  # the question-blind control: the selectors' queries end before the tail
         calls.append(("blind", lib.llama_ridgefill_set_selector_blind(ctx, blind)))
     if attention is not None:  # (query rows, share of the prefix[, layers]): the attention selector

@@ -213,7 +213,7 @@ def run_spec(spec: dict) -> tuple[dict[str, np.ndarray], dict]:
             st = {"applied": 0}
         else:
             params = dict(run.get("params", {}))
-            for key in ("exact_random", "probe", "attention"):  # tuples arrive as JSON lists
+            for key in ("exact_random", "probe", "attention", "rescale"):  # tuples arrive as JSON lists
                 if key in params:
                     params[key] = tuple(params[key])
             logits, seconds, st = sess.ridgefill(tokens, **params)
