@@ -87,6 +87,23 @@ def test_the_exact_row_selector_is_set_per_server_and_per_request(model_and_maps
     assert "exact rows: probe" in (d / "select.log").read_text()
 
 
+def test_the_rescales_are_set_per_server_and_per_request(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    extra = ("--ridgefill-rescale", "values", "--ridgefill-rescale-rows", "16")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "rescale.log") as srv:
+        values = srv.complete(PROMPT, n_predict=1, n_probs=1)
+        plain = srv.complete(PROMPT, n_predict=1, n_probs=1, ridgefill_rescale="none")
+        with pytest.raises(ServerError, match="ridgefill_rescale must be none, values, keys or both"):
+            srv.complete(PROMPT, n_predict=2, ridgefill_rescale="half")
+    assert values["timings"]["ridgefill"]["rescale"] == "values"
+    assert plain["timings"]["ridgefill"]["rescale"] == "none"
+    # the factors change what the tail reads: the first token's distribution moves
+    p = values["completion_probabilities"][0]["top_logprobs"][0]["logprob"]
+    q = plain["completion_probabilities"][0]["top_logprobs"][0]["logprob"]
+    assert p != q
+
+
 def test_a_maps_file_that_does_not_fit_is_refused_by_name_and_the_server_serves_stock(model_and_maps):
     require_builds("ridgefill")
     model, _, bad_maps, d = model_and_maps
