@@ -464,7 +464,8 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
               help="exact tail T (repeatable)")
 @click.option("--arms", default="ridge,identity", show_default=True,
               help="fills (not none: it cannot generate), fill+probe, fill+attention, the question-blind "
-                   "fill+blind-probe and fill+blind-attention, fill+random:<selector> (count-matched)")
+                   "fill+blind-probe and fill+blind-attention, fill+random:<selector> (count-matched); any of them "
+                   "@values, @keys or @both for the rescales")
 @click.option("--exact-share", default=0.1, show_default=True, help="share of the prefix a selector keeps exact")
 @click.option("--probe-rows", default=256, show_default=True, help="the probe's rows (the prompt's last)")
 @click.option("--query-rows", default=64, show_default=True, help="the attention selector's query rows")

@@ -174,7 +174,11 @@ def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_select
     p = arm_params(arms[3], 1040, 40, sel, {"probe": 97})
     assert p["exact_random"] == (97, 0) and p["probe"] == (0, 0) and p["attention"][1] == 0.0 and not p["blind"]
     blind = arm_params(parse_arms(["ridge+blind-probe"])[0], 1040, 40, sel, {})
-    assert blind["blind"] and blind["probe"] == (128, 100)
+    assert blind["blind"] and blind["probe"] == (128, 100) and blind["rescale"] == (512, False, False)
+    both = parse_arms(["ridge+probe@both"])[0]
+    assert both.selector == "probe" and arm_params(both, 1040, 40, sel, {})["rescale"] == (512, True, True)
+    with pytest.raises(ValueError, match="unknown rescale"):
+        parse_arms(["ridge@half"])
 
 
 def test_arms_that_generate_refuse_the_none_fill_by_name():

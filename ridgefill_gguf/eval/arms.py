@@ -7,6 +7,7 @@
                                                          end before the tail, so it cannot see the question
   ridge+random:probe, ridge+random:attention             as many random prefix rows as that selector chose on
                                                          the same sample (paper §3.3's equal-cost control)
+  ...@values, ...@keys, ...@both                         with the value and/or key rescale (paper §2.3)
 A random arm must come after an arm with its selector, which sets its count.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 FILLS = ("ridge", "identity", "none", "plumb", "oracle")
 SELECTORS = ("probe", "attention", "blind-probe", "blind-attention")
+RESCALES = ("values", "keys", "both")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class Arm:
     fill: str
     selector: str | None = None
     random_of: str | None = None   # the selector whose count a random arm matches
+    rescale: str | None = None     # values, keys or both
 
 
 @dataclass
@@ -30,11 +33,20 @@ class SelectorOptions:
     exact_share: float = 0.1   # of the prefix, for the probe and the attention selector
     probe_rows: int = 256
     query_rows: int = 64
+    rescale_rows: int = 512    # the tail rows that measure the rescales
     seed: int = 0
 
 
 def parse_arm(name: str) -> Arm:
-    fill, _, rest = name.partition("+")
+    base, _, rescale = name.partition("@")
+    if rescale and rescale not in RESCALES:
+        raise ValueError(f"arm '{name}': unknown rescale '{rescale}' (one of {', '.join(RESCALES)})")
+    arm = _parse_base(base, name)
+    return Arm(name, arm.fill, arm.selector, arm.random_of, rescale or None)
+
+
+def _parse_base(base: str, name: str) -> Arm:
+    fill, _, rest = base.partition("+")
     if fill not in FILLS:
         raise ValueError(f"arm '{name}': unknown fill '{fill}' (one of {', '.join(FILLS)})")
     if not rest:
@@ -70,7 +82,8 @@ def parse_arms(names: tuple[str, ...] | list[str], generates: bool = False) -> l
 def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts: dict[str, int]) -> dict:
     """Every prefill parameter the arm sets, selectors off unless it uses one (the engine keeps parameters)."""
     params = {"fill": arm.fill, "probe": (0, 0), "attention": (sel.query_rows, 0.0, None), "exact_random": (0, 0),
-              "blind": bool(arm.selector and arm.selector.startswith("blind-"))}
+              "blind": bool(arm.selector and arm.selector.startswith("blind-")),
+              "rescale": (sel.rescale_rows, arm.rescale in ("values", "both"), arm.rescale in ("keys", "both"))}
     count = int(sel.exact_share * max(n_prompt - tail, 0) + 0.5)
     kind = arm.selector.removeprefix("blind-") if arm.selector else None
     if kind == "probe":
