@@ -24,6 +24,7 @@ import gguf
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, Keys
 
 from .gguf_io import GGUFFile, RawField, read_gguf
+from .kquants import quantize_q4_k, quantize_q6_k
 from .paths import vendor_dir
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen35")
@@ -37,7 +38,9 @@ DEFAULT_VOCABS = {
 
 DTYPES = {"f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
           "f16": (QT.F16, gguf.LlamaFileType.MOSTLY_F16),
-          "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+          "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+          # llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the output and for attn_v and ffn_down in some layers
+          "q4_k_m": (QT.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M)}
 
 _CHUNK_ELEMS = 1 << 24  # rows are generated in chunks of about this many values (64 MiB of f32)
 
@@ -212,9 +215,23 @@ def tensor_specs(shape: ModelShape, n_vocab: int) -> list[TensorSpec]:
     return out
 
 
-def _tensor_type(spec: TensorSpec, qtype: QT) -> QT:
+def _q4_k_m_type(name: str, n_layer: int) -> QT:
+    """Q6_K where llama.cpp's Q4_K_M puts it (llama_tensor_get_type's use_more_bits), else Q4_K."""
+    if name == "output.weight":
+        return QT.Q6_K
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        i = int(parts[1])
+        if i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2:
+            return QT.Q6_K
+    return QT.Q4_K
+
+
+def _tensor_type(spec: TensorSpec, qtype: QT, n_layer: int = 0) -> QT:
     if spec.float_only:
         return QT.F32
+    if qtype == QT.Q4_K:
+        qtype = _q4_k_m_type(spec.name, n_layer)
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     return qtype if spec.fan_in % block == 0 else QT.F16  # rows that don't fill whole blocks
 
@@ -255,6 +272,10 @@ def _encode(x: np.ndarray, qtype: QT) -> np.ndarray:
         return x
     if qtype == QT.F16:
         return x.astype(np.float16)
+    if qtype == QT.Q4_K:
+        return quantize_q4_k(x)
+    if qtype == QT.Q6_K:
+        return quantize_q6_k(x)
     return gguf.quants.quantize(x, qtype)
 
 
@@ -344,7 +365,7 @@ def write_random_model(path: str | Path, shape: ModelShape, *, vocab: str | Path
     qtype, ftype = DTYPES[dtype]
     tok, n_vocab = model_tokenizer(shape, vocab)
     specs = tensor_specs(shape, n_vocab)
-    types = [_tensor_type(spec, qtype) for spec in specs]
+    types = [_tensor_type(spec, qtype, shape.n_layer) for spec in specs]
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

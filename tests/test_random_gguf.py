@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
 from ridgefill_gguf.paths import project_root
@@ -223,3 +224,29 @@ def test_real_model_presets_have_the_published_parameter_counts():
         shape.validate()
         n = sum(math.prod(t.shape) for t in tensor_specs(shape, shape.n_vocab))
         assert abs(n - published[key]) / published[key] < 0.01, (key, n)
+
+
+def test_the_k_quant_encoders_write_blocks_that_gguf_py_decodes_close_to_the_input():
+    from ridgefill_gguf.kquants import quantize_q4_k, quantize_q6_k
+
+    x = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
+    for encode, qt, tolerance in ((quantize_q4_k, gguf.GGMLQuantizationType.Q4_K, 0.1),
+                                  (quantize_q6_k, gguf.GGMLQuantizationType.Q6_K, 0.03)):
+        blocks = encode(x)
+        assert blocks.shape == (12, gguf.GGML_QUANT_SIZES[qt][1])
+        y = gguf.quants.dequantize(blocks.reshape(6, -1), qt)
+        assert np.abs(y - x).mean() / np.abs(x).mean() < tolerance, qt.name
+
+
+@needs_llama
+def test_a_q4_k_m_model_has_llama_cpps_mix_and_runs(tmp_path):
+    shape = dataclasses.replace(tiny_shape("llama"), n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64,
+                                n_layer=8)
+    path = write_random_model(tmp_path / "q4km.gguf", shape, dtype="q4_k_m")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["output.weight"] == "Q6_K" and types["blk.3.attn_q.weight"] == "Q4_K"
+    # Q6_K in the first and last eighth and every third layer between, as llama.cpp's use_more_bits
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(8)] == \
+        ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    (result,) = probe([{"path": str(path), "texts": []}])
+    assert_runs_sanely(result)

@@ -8,7 +8,8 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
 export PYTHONPATH="/tmp/site:$repo" PYTHONUNBUFFERED=1 LD_PRELOAD=${LD_PRELOAD:-/lib/x86_64-linux-gnu/libstdc++.so.6}
 cd "$repo"
-python3 - "$work/qwen3-8b-q8_0.gguf" "$work/qwen3-8b-q8_0.S13.maps.gguf" "${OUT:-results}/bench" <<'PY'
+preset=${PRESET:-qwen3-8b} dtype=${DTYPE:-q8_0} split=${SPLIT:-13}  # as tools/gpu/prepare-8b.sh made them
+python3 - "$work/$preset-$dtype.gguf" "$work/$preset-$dtype.S$split.maps.gguf" "${OUT:-results}/bench" <<'PY'
 import sys
 from ridgefill_gguf.bench import run_bench
 import os
@@ -17,8 +18,9 @@ ub = os.environ.get("UBATCH")
 r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=4096,
               placements=tuple(os.environ.get("PLACEMENTS", "resident,streamed").split(",")),
               repeats=int(os.environ.get("REPEATS", "3")), n_gpu_layers=99, out_dir=sys.argv[3],
-              label=os.environ.get("LABEL", "qwen3-8b-shape-h200"), vs_upstream=os.environ.get("VS_UPSTREAM") == "1",
+              label=os.environ.get("LABEL", f"{os.environ.get('PRESET', 'qwen3-8b')}-{os.environ.get('DTYPE', 'q8_0')}-shape-h200"), vs_upstream=os.environ.get("VS_UPSTREAM") == "1",
               # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it
-              extra=("--override-kv", "qwen3.context_length=int:131072") + (("-b", ub, "-ub", ub) if ub else ()))
+              extra=("--override-kv", f"{'llama' if os.environ.get('PRESET', '').startswith('llama') else 'qwen3'}"
+                     ".context_length=int:131072") + (("-b", ub, "-ub", ub) if ub else ()))
 print(open(r["files"][1]).read())
 PY
