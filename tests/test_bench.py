@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
-from conftest import require_builds
+from conftest import ROOT, require_builds
 from ridgefill_gguf.bench import layer_ceiling, mac_ceiling, run_bench
 from ridgefill_gguf.random_gguf import ModelShape
 from ridgefill_gguf.maps.synthetic import write_random_maps
@@ -55,3 +57,23 @@ def test_the_bench_times_upstream_against_ridgefill_attached_but_off(tmp_path):
     assert set(r["server_commands"]) == {"resident", "upstream", "attached_off"}
     assert "--ridgefill" in r["server_commands"]["attached_off"] and "--ridgefill" not in r["server_commands"]["upstream"]
     assert "| 400 |" in (tmp_path / "out" / f"{r['date']}-off.md").read_text().split("against the upstream build")[1]
+
+
+def test_the_sweep_one_control_times_the_first_layers_stock_against_sweep_one(tmp_path):
+    require_builds("ridgefill")
+    shape = dataclasses.replace(tiny_shape("qwen3"), n_layer=4)
+    model = write_random_model(tmp_path / "m.gguf", shape, seed=0)
+    first = write_random_model(tmp_path / "first2.gguf", dataclasses.replace(shape, n_layer=2), seed=0)
+    maps = write_random_maps(model, 2, tmp_path / "maps.gguf")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_early_control.py"), str(model), str(maps),
+                           str(first), "--tokens", "600", "--tail", "64", "--repeats", "1", "--min-prefix", "0",
+                           "-t", "2", "--results", str(tmp_path / "out")], text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (result,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
+    row = result["rows"]["600"]
+    assert result["split"] == 2 and result["n_layer"] == 4
+    assert row["sweep_one_ms"] > 0 and row["stock_first_layers_ms"] > 0 and row["stock_full_ms"] > 0
+    # a model that is not the first S layers is refused
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_early_control.py"), str(model), str(maps),
+                          str(model)], text=True, capture_output=True, timeout=600)
+    assert bad.returncode != 0 and "must have the split's 2 layers" in bad.stderr
