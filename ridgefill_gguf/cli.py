@@ -371,6 +371,23 @@ def eval_group() -> None:
     """The paper's quality instruments, paired against exact (`docs/eval.md`)."""
 
 
+def _selector_options(f):
+    """--exact-share, --probe-rows, --query-rows: how the fill+selector arms choose their rows."""
+    for option in reversed([
+        click.option("--exact-share", default=0.1, show_default=True, help="share of the prefix a selector keeps exact"),
+        click.option("--probe-rows", default=256, show_default=True, help="the probe's rows (the prompt's last)"),
+        click.option("--query-rows", default=64, show_default=True, help="the attention selector's query rows"),
+    ]):
+        f = option(f)
+    return f
+
+
+def _selectors(exact_share: float, probe_rows: int, query_rows: int, seed: int = 0):
+    from .eval.arms import SelectorOptions
+
+    return SelectorOptions(exact_share=exact_share, probe_rows=probe_rows, query_rows=query_rows, seed=seed)
+
+
 def _document_options(default_arms: str):
     """The options every document-based instrument takes (nll, agreement)."""
     return lambda f: _with_document_options(f, default_arms)
@@ -386,7 +403,8 @@ def _with_document_options(f, default_arms: str):
         click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
                      help="results folder; a run that stopped resumes from it"),
         click.option("--arms", default=default_arms, show_default=True,
-                     help="comma-separated: ridge, identity, none (and the checks plumb, oracle)"),
+                     help="comma-separated fills (ridge, identity, none; the checks plumb, oracle), fill+probe, "
+                          "fill+attention, fill+blind-probe, fill+random:<selector>, each @values|@keys|@both"),
         click.option("--tail", default=1024, show_default=True),
         click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped"),
         click.option("--max-tokens", default=8192, show_default=True, help="documents are cut to this many tokens"),
@@ -396,19 +414,20 @@ def _with_document_options(f, default_arms: str):
     ]
     for option in reversed(options):
         f = option(f)
-    return f
+    return _selector_options(f)
 
 
 @eval_group.command("nll")
 @_document_options("ridge,identity,none")
 @click.option("--score", default=512, show_default=True, help="the last tokens of each document that are scored")
 def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_tokens, max_docs, threads,
-             n_gpu_layers) -> None:
+             n_gpu_layers, exact_share, probe_rows, query_rows) -> None:
     """ΔNLL (arm minus exact) on all, novel and key tokens of long documents, with bootstrap intervals."""
     from .eval.nll import NllOptions, run_nll
 
-    opts = NllOptions(arms=_arms(arms), tail=tail, score=score, min_tokens=min_tokens, max_tokens=max_tokens,
-                      max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers)
+    opts = NllOptions(arms=_arms(arms, selectors=True), tail=tail, score=score, min_tokens=min_tokens,
+                      max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
+                      selectors=_selectors(exact_share, probe_rows, query_rows))
     try:
         run_nll(model, maps, list(docs), out_dir, opts, log=click.echo)
     except ValueError as e:
@@ -466,9 +485,7 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
               help="fills (not none: it cannot generate), fill+probe, fill+attention, the question-blind "
                    "fill+blind-probe and fill+blind-attention, fill+random:<selector> (count-matched); any of them "
                    "@values, @keys or @both for the rescales")
-@click.option("--exact-share", default=0.1, show_default=True, help="share of the prefix a selector keeps exact")
-@click.option("--probe-rows", default=256, show_default=True, help="the probe's rows (the prompt's last)")
-@click.option("--query-rows", default=64, show_default=True, help="the attention selector's query rows")
+@_selector_options
 @click.option("--format", "fmt", type=click.Choice(["auto", "chat", "completion"]), default="auto",
               show_default=True, help="auto: chat when the model has a chat template")
 @click.option("--seed", default=0, show_default=True)
@@ -477,15 +494,13 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
 def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, probe_rows, query_rows, fmt,
                  seed, threads, n_gpu_layers) -> None:
     """RULER-style retrieval; accuracy on the samples whose needles lie in the filled region, paired against exact."""
-    from .eval.arms import SelectorOptions
     from .eval.needles import NeedleOptions, run_needles
 
     opts = NeedleOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                          arms=_arms(arms, selectors=True, generates=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers,
-                         selectors=SelectorOptions(exact_share=exact_share, probe_rows=probe_rows,
-                                                   query_rows=query_rows, seed=seed))
+                         selectors=_selectors(exact_share, probe_rows, query_rows, seed))
     try:
         run_needles(model, list(maps), out_dir, opts, log=click.echo)
     except ValueError as e:
@@ -497,12 +512,14 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 @_document_options("ridge,identity")
 @click.option("--continue-tokens", default=256, show_default=True, help="length of the exact greedy continuation")
 def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_tokens, max_tokens, max_docs,
-                   threads, n_gpu_layers) -> None:
+                   threads, n_gpu_layers, exact_share, probe_rows, query_rows) -> None:
     """KL(exact || arm) and top-1 agreement along the exact greedy continuation, with bootstrap intervals."""
     from .eval.agreement import AgreementOptions, run_agreement
 
-    opts = AgreementOptions(arms=_arms(arms, generates=True), tail=tail, continue_tokens=continue_tokens,
-                            min_tokens=min_tokens, max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers)
+    opts = AgreementOptions(arms=_arms(arms, selectors=True, generates=True), tail=tail,
+                            continue_tokens=continue_tokens, min_tokens=min_tokens, max_tokens=max_tokens,
+                            max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
+                            selectors=_selectors(exact_share, probe_rows, query_rows))
     try:
         run_agreement(model, maps, list(docs), out_dir, opts, log=click.echo)
     except ValueError as e:

@@ -58,6 +58,7 @@ def test_token_nll_is_the_negative_log_softmax_of_the_target():
 
 def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
     require_builds("ridgefill")
+    from ridgefill_gguf.eval.arms import SelectorOptions
     from ridgefill_gguf.eval.nll import NllOptions, run_nll
     from ridgefill_gguf.maps.synthetic import write_random_maps
     from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
@@ -66,8 +67,9 @@ def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
     maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
     docs = word_documents(tmp_path / "docs", 3, seed=1)
     (docs / "short.txt").write_text("too short\n")
-    opts = NllOptions(arms=("plumb", "ridge", "none"), tail=128, score=64, min_tokens=300, max_tokens=600,
-                      threads=2, flash_attn=False)
+    opts = NllOptions(arms=("plumb", "ridge", "none", "ridge+probe", "ridge+random:probe"), tail=128, score=64,
+                      min_tokens=300, max_tokens=600, threads=2, flash_attn=False,
+                      selectors=SelectorOptions(exact_share=0.1, probe_rows=32))
     logs = []
     r = run_nll(model, maps, [docs], tmp_path / "out", opts, log=logs.append)
     assert r["documents"] == 3 and any("skip short.txt" in line for line in logs)
@@ -75,7 +77,9 @@ def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
     assert len(rows) == 3 and all(row["counts"]["all"] == 64 for row in rows)
     # plumb runs every row exactly through the RidgeFill path: no loss
     assert abs(r["summary"]["plumb"]["all"]["mean"]) < 1e-4
-    assert r["summary"]["ridge"]["all"]["n"] == 3
+    assert r["summary"]["ridge"]["all"]["n"] == 3 and r["summary"]["ridge+probe"]["all"]["n"] == 3
+    for row in rows:  # the probe and its count-matched control ran with the same number of exact rows
+        assert row["rows"]["ridge+probe"]["n_exact"] == row["rows"]["ridge+random:probe"]["n_exact"] > 10
     assert all(f"| d{i}.txt | " in (tmp_path / "out" / "summary.md").read_text() for i in range(3))
     assert (tmp_path / "out" / "summary.png").exists()
     # a second run finds everything done

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from ..util import hardware, write_atomic
-from .arms import parse_arms
+from .arms import parse_arms, run_arms
 from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents
 from .stats import bootstrap_mean
 
@@ -48,7 +48,7 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
     from ..engine.session import Session
     from ..gguf_io import read_gguf
 
-    parse_arms(opts.arms, generates=True)  # the arms are fed the continuation through decode steps
+    arms = parse_arms(opts.arms, generates=True)  # the arms are fed the continuation through decode steps
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "documents.jsonl"
@@ -65,14 +65,17 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
             logits, _ = sess.stock(prompt)
             cont, exact = sess.follow(logits, len(prompt), opts.continue_tokens)
             row = {"doc_id": doc.doc_id, "name": doc.name, "tokens": len(prompt), "steps": len(cont), "arms": {}}
-            for arm in opts.arms:
-                logits, _, st = sess.ridgefill(prompt, fill=arm, tail=opts.tail, min_prefix=0)
+            def prefill(arm, params):
+                logits, _, st = sess.ridgefill(prompt, tail=opts.tail, min_prefix=0, **params)
                 if not st["applied"]:
                     raise RuntimeError(f"{doc.name}: RidgeFill did not apply: {st['reason']}")
                 _, forced = sess.follow(logits, len(prompt), len(cont), tokens=cont)
                 kl, top1 = kl_and_top1(exact, forced)
-                row["arms"][arm] = {"kl": float(kl.mean()), "top1": float(top1.mean()),
-                                    "first_disagreement": int(np.argmin(top1)) if not top1.all() else None}
+                row["arms"][arm.name] = {"kl": float(kl.mean()), "top1": float(top1.mean()),
+                                         "first_disagreement": int(np.argmin(top1)) if not top1.all() else None}
+                return st
+
+            run_arms(arms, len(prompt), opts.tail, opts.selectors, prefill)
             append_jsonl(rows_path, row)
             done[doc.doc_id] = row
             n_new += 1

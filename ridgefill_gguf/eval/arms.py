@@ -13,6 +13,7 @@ A random arm must come after an arm with its selector, which sets its count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 FILLS = ("ridge", "identity", "none", "plumb", "oracle")
 SELECTORS = ("probe", "attention", "blind-probe", "blind-attention")
@@ -93,6 +94,20 @@ def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts:
     if arm.random_of:
         params["exact_random"] = (counts[arm.random_of], sel.seed)
     return params
+
+
+def run_arms(arms: list[Arm], n_prompt: int, tail: int, sel: SelectorOptions,
+             prefill: Callable[[Arm, dict], dict]) -> dict[str, dict]:
+    """prefill(arm, params) -> stats for every arm in order, a random arm with the count its selector chose on this
+    prompt: {arm name: stats}."""
+    counts: dict[str, int] = {}
+    out = {}
+    for arm in arms:
+        st = prefill(arm, arm_params(arm, n_prompt, tail, sel, counts))
+        if arm.selector:
+            counts[arm.selector] = selected(st, arm.selector)
+        out[arm.name] = st
+    return out
 
 
 def selected(stats: dict, selector: str) -> int:

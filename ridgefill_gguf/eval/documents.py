@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..fit.capture import Document, iter_documents
+from .arms import SelectorOptions
 
 
 @dataclass
@@ -19,6 +20,7 @@ class DocumentOptions:
     threads: int | None = None
     n_gpu_layers: int = 0
     flash_attn: bool = True
+    selectors: SelectorOptions = field(default_factory=SelectorOptions)  # for fill+selector arms
 
 
 def load_jsonl(path: Path) -> list[dict]:

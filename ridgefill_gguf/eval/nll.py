@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ..util import hardware, write_atomic
+from .arms import parse_arms, run_arms
 from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents
 from .stats import bootstrap_mean
 from .tokens import key_mask, novel_mask, token_nll
@@ -72,6 +73,7 @@ def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir
     if opts.score > opts.tail:
         raise ValueError(f"--score {opts.score} must not exceed --tail {opts.tail}: the scored rows are tail rows")
     split = int(read_gguf(maps).get("ridgefill.split"))
+    arms = parse_arms(opts.arms)
     libs.use_build("ridgefill")
     sess = Session(model, n_ctx=opts.n_ctx or opts.max_tokens + 16, n_batch=512, n_ubatch=512,
                    flash_attn=opts.flash_attn, n_threads=opts.threads, n_gpu_layers=opts.n_gpu_layers, maps=maps)
@@ -84,11 +86,14 @@ def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir
             # the context cut to the last `tail` tokens before the scored block (BOS kept, as the model expects)
             cut_tokens = bos + tokens[-(opts.score + opts.tail):]
             cut = token_nll(sess.stock_rows(cut_tokens, opts.score + 1)[:-1], targets)
-            for arm in opts.arms:
-                logits, st = sess.ridgefill_rows(tokens, opts.score + 1, fill=arm, tail=opts.tail, min_prefix=0)
-                nll[arm] = token_nll(logits[:-1], targets)
+            def prefill(arm, params):
+                logits, st = sess.ridgefill_rows(tokens, opts.score + 1, tail=opts.tail, min_prefix=0, **params)
+                nll[arm.name] = token_nll(logits[:-1], targets)
+                return st
+
+            stats = run_arms(arms, len(tokens), opts.tail, opts.selectors, prefill)
             row = doc_result(doc.doc_id, doc.name, tokens, nll, cut, opts.score)
-            row["rows"] = {k: st[k] for k in ("n_filled", "n_exact", "n_tail")}
+            row["rows"] = {arm: {k: st[k] for k in ("n_filled", "n_exact", "n_tail")} for arm, st in stats.items()}
             append_jsonl(rows_path, row)
             done[doc.doc_id] = row
             n_new += 1
