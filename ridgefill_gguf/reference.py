@@ -128,6 +128,35 @@ class ReferenceModel:
         out = self.w("token_embd.weight") if out is None else out
         return self.rms(x, self.w("output_norm.weight")) @ out.T
 
+    # -- RidgeFill's pieces ------------------------------------------------------------------------
+
+    def _early(self, tokens: list[int], split: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, x_S): every row through the layers below the split."""
+        pos = np.arange(len(tokens))
+        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        for layer in range(split):
+            x = self.layer(layer, x, pos)
+        return pos, x
+
+    @staticmethod
+    def _predicted(layer: int, split: int, x_split: np.ndarray, fill: str, maps, truth=None) -> np.ndarray:
+        """The input layer `layer` gets for rows whose x_S is given: A_l x_S + b_l (ridge, after the split), x_S
+        (identity, and ridge at the split) or the true input (oracle; `truth` holds it for those rows)."""
+        if fill == "ridge" and layer > split:
+            a, b = maps[layer]
+            return x_split @ a.T + b
+        return truth if fill == "oracle" else x_split
+
+    def _late_layer(self, layer: int, x: np.ndarray, inp: np.ndarray, pos: np.ndarray, rows: np.ndarray,
+                    **attention) -> np.ndarray:
+        """Layer `layer` for `rows` (their stream in x) over every row's K/V from `inp`; the other rows of x stay."""
+        p = f"blk.{layer}."
+        att = self.attention(layer, self.rms(inp, self.w(p + "attn_norm.weight")), pos, queries=rows, **attention)
+        y = x[rows] + att
+        x = x.copy()
+        x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
+        return x
+
     def ridgefill_forward(self, tokens: list[int], split: int, tail: int, fill: str = "ridge",
                           maps: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
                           exact_rows: set[int] | None = None, rescale: tuple[int, bool, bool] | None = None
@@ -143,46 +172,35 @@ class ReferenceModel:
         if fill not in ("ridge", "identity", "oracle", "none"):
             raise ValueError(f"fill must be ridge, identity, oracle or none, not {fill!r}")
         n = len(tokens)
-        pos = np.arange(n)
         exact = np.zeros(n, bool)
         exact[max(n - tail, 0):] = True
         exact[0] = True
         for r in exact_rows or ():
             exact[r] = True
+        filled = ~exact
         truth = self.forward(tokens)[1] if fill == "oracle" else None
-        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
-        for layer in range(split):
-            x = self.layer(layer, x, pos)
+        pos, x = self._early(tokens, split)
         x_split = x
         rows = np.flatnonzero(exact)
         for layer in range(split, self.hp.n_layer):
             inp = x.copy()  # exact rows carry their own stream; filled rows get the prediction
-            filled = ~exact
-            if fill == "ridge" and layer > split:
-                a, b = maps[layer]
-                inp[filled] = x_split[filled] @ a.T + b
-            elif fill in ("ridge", "identity"):
-                inp[filled] = x_split[filled]
-            elif fill == "oracle":
-                inp[filled] = truth[layer][filled]
-            p = f"blk.{layer}."
-            h = self.rms(inp, self.w(p + "attn_norm.weight"))
-            visible = exact if fill == "none" else None
+            if fill != "none":
+                inp[filled] = self._predicted(layer, split, x_split[filled], fill, maps,
+                                              truth[layer][filled] if truth is not None else None)
             kv_scale = None
             if rescale and layer > split and fill in ("ridge", "identity"):
                 c, values, keys = rescale
                 first = np.arange(max(n - tail, 0), n)[:c]
-                pred = x_split[first] @ a.T + b if fill == "ridge" else x_split[first]
-                kt, vt = self.kv(layer, self.rms(x[first], self.w(p + "attn_norm.weight")), pos[first])
-                kp, vp = self.kv(layer, self.rms(pred, self.w(p + "attn_norm.weight")), pos[first])
+                norm = self.w(f"blk.{layer}.attn_norm.weight")
+                kt, vt = self.kv(layer, self.rms(x[first], norm), pos[first])
+                kp, vp = self.kv(layer, self.rms(self._predicted(layer, split, x_split[first], fill, maps), norm),
+                                 pos[first])
                 ratio = lambda t, q: np.linalg.norm(t, axis=2).mean(0) / np.linalg.norm(q, axis=2).mean(0)  # noqa: E731
                 ones = np.ones(self.hp.n_head_kv, np.float32)
                 kv_scale = (filled, ratio(kt, kp).astype(np.float32) if keys else ones,
                             ratio(vt, vp).astype(np.float32) if values else ones)
-            att = self.attention(layer, h, pos, queries=rows, visible=visible, kv_scale=kv_scale)
-            y = x[rows] + att
-            x = x.copy()
-            x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
+            x = self._late_layer(layer, x, inp, pos, rows, visible=exact if fill == "none" else None,
+                                 kv_scale=kv_scale)
         return self.logits(x[max(n - tail, 0):])
 
     def probe_scores(self, tokens: list[int], split: int, tail: int, n_probe: int,
@@ -193,7 +211,6 @@ class ReferenceModel:
         over that cache with the tail's other rows hidden. blind: the probe rows are the prefix's last rows (exact
         in this pass), and the tail is hidden."""
         n = len(tokens)
-        pos = np.arange(n)
         prefix_end = max(n - tail, 0)
         end = prefix_end if blind else n
         probe = np.arange(end - n_probe, end)
@@ -204,26 +221,15 @@ class ReferenceModel:
         visible[prefix_end:] = False
         visible[probe] = True
         rows = np.concatenate([[0], probe])
-        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
-        for layer in range(split):
-            x = self.layer(layer, x, pos)
+        pos, x = self._early(tokens, split)
         x_split = x
         score = np.zeros(n)
         for layer in range(split, self.hp.n_layer):
             inp = x.copy()
-            if layer > split:
-                a, b = maps[layer]
-                inp[filled] = x_split[filled] @ a.T + b
-            else:
-                inp[filled] = x_split[filled]
-            p = f"blk.{layer}."
+            inp[filled] = self._predicted(layer, split, x_split[filled], "ridge", maps)
             w = np.zeros((len(rows), n))
-            att = self.attention(layer, self.rms(inp, self.w(p + "attn_norm.weight")), pos, queries=rows,
-                                 visible=visible, weights=w)
+            x = self._late_layer(layer, x, inp, pos, rows, visible=visible, weights=w)
             score += w[1:].sum(axis=0)
-            y = x[rows] + att
-            x = x.copy()
-            x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
         return score
 
     def attention_scores(self, tokens: list[int], layers: list[int], n_query: int, end: int | None = None) -> np.ndarray:
