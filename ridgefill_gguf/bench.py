@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ from typing import Callable
 from .gguf_io import read_gguf
 from .random_gguf import ModelShape
 from .serve import Server
-from .util import hardware, write_atomic
+from .util import hardware, save_figure, write_atomic
 
 
 # what the ceilings read of a model's shape, recorded with the results
@@ -280,7 +279,4 @@ def plot(r: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)

@@ -22,6 +22,17 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    """Save a matplotlib figure atomically (a PNG beside its temporary name until done) and close it."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - plotting is optional
+
+    path = Path(path)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -9,7 +9,6 @@ documents a bootstrap interval. Results are appended per document, so an interru
 from __future__ import annotations
 
 import datetime as dt
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,9 +16,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..util import hardware, write_atomic
+from ..util import hardware, save_figure
 from .arms import parse_arms, run_arms
-from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents
+from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents, write_summary
 from .stats import bootstrap_mean
 
 
@@ -91,12 +90,7 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
     result = {"instrument": "eval agreement", "date": dt.date.today().isoformat(), "hardware": hardware(),
               "model": str(model), "maps": str(maps), "split": split, "options": asdict(opts),
               "documents": len(rows), "summary": summary}
-    write_atomic(out_dir / "summary.json", json.dumps(result, indent=2) + "\n")
-    write_atomic(out_dir / "summary.md", markdown(result, rows))
-    try:
-        plot(result, out_dir / "summary.png")
-    except ImportError:
-        pass
+    write_summary(out_dir, result, markdown(result, rows), plot)
     return result
 
 
@@ -142,7 +136,4 @@ def plot(result: dict, path: Path) -> None:
         axis.set_ylabel(label)
     fig.suptitle(f"{Path(result['model']).name}, split {result['split']}, tail {result['options']['tail']}")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..fit.capture import Document, iter_documents
+from ..util import write_atomic
 from .arms import SelectorOptions
 
 
@@ -21,6 +22,16 @@ class DocumentOptions:
     n_gpu_layers: int = 0
     flash_attn: bool = True
     selectors: SelectorOptions = field(default_factory=SelectorOptions)  # for fill+selector arms
+
+
+def write_summary(out_dir: Path, result: dict, markdown: str, plot: Callable[[dict, Path], None]) -> None:
+    """summary.json, summary.md and (where matplotlib is installed) summary.png of an instrument's run."""
+    write_atomic(out_dir / "summary.json", json.dumps(result, indent=2) + "\n")
+    write_atomic(out_dir / "summary.md", markdown)
+    try:
+        plot(result, out_dir / "summary.png")
+    except ImportError:
+        pass
 
 
 def load_jsonl(path: Path) -> list[dict]:

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..util import hardware, write_atomic
+from ..util import hardware, save_figure, write_atomic
 from .arms import SelectorOptions, arm_params, parse_arms, selected
-from .documents import append_jsonl, load_jsonl
+from .documents import append_jsonl, load_jsonl, write_summary
 from .stats import bootstrap_mean
 
 TASKS = ("single", "multikey", "multivalue", "multiquery")
@@ -241,12 +241,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     result = summarize(samples, list(done.values()), splits, opts)
     result.update(instrument="eval needles", date=dt.date.today().isoformat(), hardware=hardware(),
                   model=str(model), maps=[str(m) for m in maps], format=fmt, options=asdict(opts))
-    write_atomic(out_dir / "summary.json", json.dumps(result, indent=2) + "\n")
-    write_atomic(out_dir / "summary.md", markdown(result))
-    try:
-        plot(result, out_dir / "summary.png")
-    except ImportError:
-        pass
+    write_summary(out_dir, result, markdown(result), plot)
     return result
 
 
@@ -357,7 +352,4 @@ def plot(result: dict, path: Path) -> None:
     bx.set_title("across splits")
     fig.suptitle(Path(result["model"]).name)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

@@ -11,7 +11,6 @@ so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,9 +18,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..util import hardware, write_atomic
+from ..util import hardware, save_figure
 from .arms import parse_arms, run_arms
-from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents
+from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents, write_summary
 from .stats import bootstrap_mean
 from .tokens import key_mask, novel_mask, token_nll
 
@@ -107,12 +106,7 @@ def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir
     result = {"instrument": "eval nll", "date": dt.date.today().isoformat(), "hardware": hardware(),
               "model": str(model), "maps": str(maps), "split": split, "options": asdict(opts),
               "documents": len(rows), "summary": summarize(rows, opts.arms)}
-    write_atomic(out_dir / "summary.json", json.dumps(result, indent=2) + "\n")
-    write_atomic(out_dir / "summary.md", markdown(result, rows))
-    try:
-        plot(result, out_dir / "summary.png")
-    except ImportError:
-        pass
+    write_summary(out_dir, result, markdown(result, rows), plot)
     return result
 
 
@@ -164,7 +158,4 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"{Path(result['model']).name}, split {result['split']}, tail {result['options']['tail']}")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

@@ -11,7 +11,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from ..util import write_atomic
+from ..util import save_figure, write_atomic
 
 
 def collect(root: str | Path) -> dict:
@@ -116,10 +116,7 @@ def plot(model: str, runs: dict, path: Path) -> None:
             ax.legend(fontsize=7)
     fig.suptitle(model)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=110)
 
 
 def run_report(root: str | Path, out_dir: str | Path) -> dict:

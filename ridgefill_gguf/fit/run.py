@@ -12,7 +12,7 @@ import numpy as np
 
 from ..maps import format as fmt
 from ..maps.convert import encode
-from ..util import write_atomic
+from ..util import save_figure, write_atomic
 from .capture import Capturer, iter_documents, sums_device
 from .score import CacheProjector, LayerScore, score_layer
 from .solve import DEFAULT_LAMBDAS, solve
@@ -367,5 +367,4 @@ def plot(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
