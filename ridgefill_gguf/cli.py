@@ -371,6 +371,16 @@ def eval_group() -> None:
     """The paper's quality instruments, paired against exact (`docs/eval.md`)."""
 
 
+def _run_instrument(run, *args, out_dir: Path) -> None:
+    """run(*args, out_dir, opts...) for an eval instrument (run_needles, run_nll, run_agreement): refused input
+    ends the command with its reason; then the summary table is printed."""
+    try:
+        run(*args, log=click.echo)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo((out_dir / "summary.md").read_text())
+
+
 def _selector_options(f):
     """--exact-share, --probe-rows, --query-rows: how the fill+selector arms choose their rows."""
     for option in reversed([
@@ -428,11 +438,7 @@ def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_toke
     opts = NllOptions(arms=_arms(arms, selectors=True), tail=tail, score=score, min_tokens=min_tokens,
                       max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
                       selectors=_selectors(exact_share, probe_rows, query_rows))
-    try:
-        run_nll(model, maps, list(docs), out_dir, opts, log=click.echo)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from e
-    click.echo((out_dir / "summary.md").read_text())
+    _run_instrument(run_nll, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 
 def _arms(arms: str, selectors: bool = False, generates: bool = False) -> tuple[str, ...]:
@@ -501,11 +507,7 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
                          arms=_arms(arms, selectors=True, generates=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers,
                          selectors=_selectors(exact_share, probe_rows, query_rows, seed))
-    try:
-        run_needles(model, list(maps), out_dir, opts, log=click.echo)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from e
-    click.echo((out_dir / "summary.md").read_text())
+    _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
 
 
 @eval_group.command("agreement")
@@ -520,11 +522,7 @@ def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_
                             continue_tokens=continue_tokens, min_tokens=min_tokens, max_tokens=max_tokens,
                             max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
                             selectors=_selectors(exact_share, probe_rows, query_rows))
-    try:
-        run_agreement(model, maps, list(docs), out_dir, opts, log=click.echo)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from e
-    click.echo((out_dir / "summary.md").read_text())
+    _run_instrument(run_agreement, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 
 @eval_group.command("report")
