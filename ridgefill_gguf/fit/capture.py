@@ -97,6 +97,7 @@ class Capturer:
         self.n_layer = self.llama_cpp.llama_model_n_layer(self.model)
         self.n_embd = self.llm.n_embd()
         self.n_ctx, self.n_batch = n_ctx, n_batch
+        self._stream = None  # the side stream of the GPU path's copies, made on first use
         self.layers = list(range(layers, self.n_layer)) if isinstance(layers, int) else sorted(layers)
         for layer in self.layers:
             bindings.capture_layer_input(self.ctx, layer, True)
@@ -143,7 +144,7 @@ class Capturer:
     def _copy_stream(self, device: str | None):
         if device is None or torch.device(device).type != "cuda":
             return None
-        if getattr(self, "_stream", None) is None:
+        if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
