@@ -99,7 +99,8 @@ def run_demo(model_key: str | None = None, max_tokens: int = 24, min_tokens: int
              f"speedup {stock['prompt_ms'] / rf['prompt_ms']:.2f}x")
         if CODENAME in stock["answer"] and CODENAME not in rf["answer"]:
             echo("Plain RidgeFill lost part of the answer: the planted line is a filled row, and the rows the "
-                 "question needs must run exactly (paper §2.4); the probe that picks them is a later issue.")
+                 "question needs must run exactly (paper §2.4). The probe picks them: `ridgefill-gguf serve "
+                 "MODEL --maps MAPS --select probe` (or a request's \"ridgefill_select\": \"probe\").")
     else:
         echo("\nRidgeFill did not run on this prompt (see the server log)")
     return {"model": model.name, "maps": str(maps), "arms": arms}
