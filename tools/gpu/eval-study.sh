@@ -3,18 +3,31 @@
 # (tools/gpu/chunks.sh) and the patched tree is built (RIDGEFILL_GPU_TREES=ridgefill TARGETS="llama ggml"
 # bash tools/gpu/build-and-test.sh --build-only). Carry .cache/device/maps and .cache/device/corpus-eval too.
 #   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement ...]
-# Results accumulate under $HOME/ridgefill/study (every instrument resumes) and are copied to $OUT/study at the
-# end of each call, whatever was reached. STEP_TIMEOUT (s) bounds each instrument run; ARMS (needles only) adds
+# Results accumulate under $HOME/ridgefill/study (every instrument resumes) and come back as $OUT/study.tgz at the
+# end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier
+# call are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the
+# start of this script) bounds the whole call, STEP_TIMEOUT each instrument run; ARMS (needles only) adds
 # selector arms, e.g. ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
 export PYTHONPATH="/tmp/site:$repo" PYTHONUNBUFFERED=1 LD_PRELOAD=${LD_PRELOAD:-/lib/x86_64-linux-gnu/libstdc++.so.6}
+export RIDGEFILL_GGUF_BUILD=${RIDGEFILL_GGUF_BUILD:-$work/out-ridgefill}  # the build this machine keeps, whatever links the checkout has
 which=${1:?usage: eval-study.sh smollm2|qwen [instrument...]}; shift
 instruments=${*:-needles nll agreement}
-maps="$repo/.cache/device/maps" eval_docs="$repo/.cache/device/corpus-eval"
+maps="$work/maps" eval_docs="$work/corpus-eval"
+mkdir -p "$maps" "$eval_docs"
+[ -d "$repo/.cache/device/maps" ] && cp -a "$repo/.cache/device/maps/." "$maps/"
+[ -d "$repo/.cache/device/corpus-eval" ] && cp -a "$repo/.cache/device/corpus-eval/." "$eval_docs/"
 study="$work/study" && mkdir -p "$study"
-step() { timeout "${STEP_TIMEOUT:-240}" python3 -m ridgefill_gguf.cli eval "$@" 2>&1 | grep -v '^WARNING' | tail -25; }
+start=$SECONDS deadline=${DEADLINE:-570}
+step() {
+    local left=$((deadline - (SECONDS - start) - 15)) limit=${STEP_TIMEOUT:-240}
+    [ "$left" -lt 20 ] && { echo "eval-study: deadline reached, skipping: $1 ${*: -3}"; return; }
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "== eval $1 ${*: -3} (at most ${limit} s)"
+    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" 2>&1 | grep -v '^WARNING' | tail -"${STEP_LINES:-12}"
+}
 
 case "$which" in
 smollm2)
@@ -42,4 +55,4 @@ for inst in $instruments; do
         done; done ;;
     esac
 done
-mkdir -p "${OUT:-$work/out}/study" && cp -r "$study"/. "${OUT:-$work/out}/study/"
+mkdir -p "${OUT:-$work/out}" && tar -czf "${OUT:-$work/out}/study.tgz" -C "$work" study
