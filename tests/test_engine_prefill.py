@@ -44,8 +44,8 @@ def deep_tiny(tmp_path_factory):
 
 
 def run_engine(model, maps, runs, *, session=None, build="ridgefill", prompt=TEXT, tokens=None, special=False,
-               n_ctx=512, tmp_path=None):
-    spec = {"model": str(model), "n_ctx": n_ctx, "runs": runs, "special": special,
+               n_ctx=512, tmp_path=None, pieces=False):
+    spec = {"model": str(model), "n_ctx": n_ctx, "runs": runs, "special": special, "pieces": pieces,
             "session": {"n_batch": 64, "n_ubatch": 32, "n_threads": 2, "maps": str(maps) if maps else None,
                         **(session or {})}}
     if tokens:
@@ -364,3 +364,100 @@ def test_every_tail_rows_logits_from_the_prefill_match_numpy_for_every_arm(arch,
         assert rel < 2e-5, (name, rel)
     # none differs from the arms that write something
     assert np.abs(arrays["none"] - arrays["identity"]).max() > 1e-3
+
+
+BUDGET_TEXT = ("The river bends twice before it reaches the old mill by the bridge. " * 5 +
+               "The locker code for the blue heron exhibit is 4417, written on card 12. " +
+               "The river bends twice before it reaches the old mill by the bridge. " * 4 +
+               "Which locker code opens the blue heron exhibit?")
+
+
+def run_rules_arm(arch, deep_tiny, tmp_path, params: dict):
+    """One ridge prefill of BUDGET_TEXT with maps that carry a token frequency table; returns (the prefill's
+    tokens, pieces, breaks, the frequency table, the prefill's logits, its stats, NumPy reference, maps)."""
+    from ridgefill_gguf.select.unigrams import with_token_freq
+
+    model, maps = deep_tiny[arch]
+    n_vocab = len(read_gguf(model).get("tokenizer.ggml.tokens"))
+    freq = np.random.default_rng(1).integers(1, 40, n_vocab).astype(np.float32)
+    freq_maps = with_token_freq(maps, freq, tmp_path / "freq.maps.gguf")
+    runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "chunk": 48, "min_prefix": 0,
+                                       "exact_rows": [], **params}}]
+    spec_session = {**TIGHT, "maps": str(freq_maps)}
+    arrays, stats = run_engine(model, freq_maps, runs, session=spec_session, tmp_path=tmp_path, prompt=BUDGET_TEXT,
+                               pieces=True)
+    tokens = arrays["tokens"].tolist()
+    pieces = [bytes.fromhex(p) for p in stats["_prompt"]["pieces"]]
+    ref, mats = reference_and_maps(model, maps)
+    return tokens, pieces, stats["_prompt"]["breaks"], freq, arrays["sel"], stats["sel"], ref, mats
+
+
+def half_up(x: float) -> int:
+    return int(x + 0.5)  # std::lround for x >= 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_budgeted_probe_counts_e_from_the_base_rules_keeps_lexical_rows_and_ranks_the_rest_as_numpy(
+        arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.select import rules
+
+    n_probe, n_query, factor = 16, 24, 1.0
+    tokens, pieces, breaks, freq, logits, st, ref, mats = run_rules_arm(
+        arch, deep_tiny, tmp_path, {"probe_budget": [n_probe, factor], "attention": [n_query, 0.0, [0]]})
+    prompt = tokens[:-1]  # the last token follows through llama_decode
+    n, prefix = len(prompt), len(tokens) - SELECTOR_TAIL
+    pieces, breaks = pieces[:n], breaks[:n]
+    special = {0}
+    protected = set(rules.protected_rows(pieces, breaks, prompt, prefix, freq, 0.5)) - special
+    digits = set(rules.digit_rows(pieces, breaks, prefix)) - special
+    attn = ref.attention_scores(prompt, [0], n_query)
+    candidates = sorted(set(range(prefix)) - special, key=lambda r: (-attn[r], r))
+    attention = set(candidates[:half_up(0.2 * prefix)])
+    e = min(half_up(factor * len(protected | digits | attention)), prefix - len(special))
+    lexical = set(rules.lexical_rows(pieces, breaks, prefix)) - special
+    assert lexical and digits, "the prompt should exercise every rule"
+    print(f"{arch}: prefix {prefix}, E {e} (protected {len(protected)}, digits {len(digits)}, attention "
+          f"{len(attention)}), lexical {len(lexical)}")
+    assert (st["n_budget"], st["n_budget_protected"], st["n_budget_digits"], st["n_budget_attention"],
+            st["n_lexical"]) == (e, len(protected), len(digits), len(attention), len(lexical))
+    score = ref.probe_scores(prompt, SPLIT, SELECTOR_TAIL - 1, n_probe, mats, exact=lexical)
+    ranked = sorted(set(range(1, prefix)) - lexical, key=lambda r: (-score[r], r))
+    chosen = set(ranked[:e - len(lexical)])
+    assert st["exact_rows"] == sorted(special | lexical | chosen) and st["n_probe_exact"] == len(chosen)
+    expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, lexical | chosen)[-1]
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-5
+
+
+def test_the_protected_selector_keeps_the_rarest_quarter_of_the_protected_class_tokens(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.select import rules
+
+    tokens, pieces, breaks, freq, logits, st, ref, mats = run_rules_arm("llama", deep_tiny, tmp_path,
+                                                                        {"protected": 0.25})
+    prompt, prefix = tokens[:-1], len(tokens) - SELECTOR_TAIL
+    chosen = set(rules.protected_rows(pieces[:len(prompt)], breaks[:len(prompt)], prompt, prefix, freq, 0.25)) - {0}
+    assert chosen and st["exact_rows"] == sorted({0} | chosen) and st["n_protected"] == len(chosen)
+    expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, chosen)[-1]
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-5
+
+
+def test_the_random_control_keeps_as_many_random_rows_as_the_budget_counts(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    params = {"attention": [24, 0.0, [0]]}
+    *_, probe_st, _, _ = run_rules_arm("llama", deep_tiny, tmp_path / "p", {**params, "probe_budget": [16, 1.0]})
+    tokens, *_, logits, st, ref, mats = run_rules_arm("llama", deep_tiny, tmp_path / "r",
+                                                      {**params, "random_budget": [1.0, 7]})
+    assert st["n_budget"] == probe_st["n_budget"] > 0 and st["n_random"] == st["n_budget"]
+    assert st["n_probe"] == 0 and st["n_lexical"] == 0 and len(st["exact_rows"]) == 1 + st["n_budget"]
+    assert st["exact_rows"] != probe_st["exact_rows"]
+    expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, set(st["exact_rows"]) - {0})[-1]
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-5
+
+
+def test_the_protected_selector_is_refused_by_name_when_the_maps_have_no_frequency_table(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["llama"]
+    runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "min_prefix": 0, "protected": 0.25}}]
+    with pytest.raises(AssertionError, match=r"no token frequency table \(rf_token_freq\).*ridgefill-gguf unigrams"):
+        run_engine(model, maps, runs, tmp_path=tmp_path)

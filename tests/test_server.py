@@ -77,7 +77,7 @@ def test_the_exact_row_selector_is_set_per_server_and_per_request(model_and_maps
                                  ridgefill_exact_share=0.05)["timings"]["ridgefill"]
         plain = srv.complete(PROMPT, n_predict=2, ridgefill_select="none")["timings"]["ridgefill"]
         again = srv.complete(PROMPT, n_predict=2)["timings"]["ridgefill"]  # the server's setting comes back
-        with pytest.raises(ServerError, match="ridgefill_select must be none, probe or attention"):
+        with pytest.raises(ServerError, match="ridgefill_select must be none, probe, attention, protected or random"):
             srv.complete(PROMPT, n_predict=2, ridgefill_select="magic")
     prefix = probe["filled"] + probe["exact"]
     assert probe["select"] == "probe" and probe["selected"] == round(0.2 * prefix) and probe["probe_ms"] > 0
@@ -85,6 +85,38 @@ def test_the_exact_row_selector_is_set_per_server_and_per_request(model_and_maps
     assert attention["select"] == "attention" and attention["selected"] == 0  # split 1: no layer 3, 7, 11, 15 below
     assert again == {**again, "select": "probe", "selected": probe["selected"]}
     assert "exact rows: probe" in (d / "select.log").read_text()
+    assert probe["budget"] == 0  # a share replaces the budget
+
+
+def test_the_probe_counts_its_rows_by_the_budget_and_random_rows_match_that_count(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    extra = ("--ridgefill-select", "probe", "--ridgefill-probe-rows", "32")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "budget.log") as srv:
+        probe = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2)["timings"]["ridgefill"]
+        half = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2, ridgefill_budget=0.5)["timings"]["ridgefill"]
+        rand = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2, ridgefill_select="random")["timings"]["ridgefill"]
+    rules = probe["budget_rules"]
+    assert probe["budget"] > 0 and rules["protected"] == 0 and rules["digits"] > 0  # no frequency table here
+    assert probe["selected"] == probe["budget"] and abs(half["budget"] - probe["budget"] / 2) <= 0.5
+    assert rand["select"] == "random" and rand["selected"] == rand["budget"] == probe["budget"]
+
+
+def test_the_protected_selector_without_a_frequency_table_is_refused_by_name_and_the_request_runs_stock(
+        model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    extra = ("--ridgefill-select", "protected")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "protected.log") as srv:
+        first = srv.complete(PROMPT, n_predict=2)
+        refused = srv.complete(PROMPT, n_predict=2, ridgefill_select="protected")
+        probe = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2,
+                             ridgefill_select="probe")["timings"]["ridgefill"]
+    log = (d / "protected.log").read_text()
+    assert "RidgeFill selector 'protected' refused: " in log and "rf_token_freq" in log
+    assert first["timings"]["ridgefill"]["select"] == "protected" and "refused" in first["timings"]["ridgefill"]
+    assert "no token frequency table" in refused["timings"]["ridgefill"]["refused"]
+    assert refused["tokens_predicted"] == 2 and probe["selected"] == probe["budget"] > 0
 
 
 def test_the_rescales_are_set_per_server_and_per_request(model_and_maps):

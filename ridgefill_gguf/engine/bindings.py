@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 4
+API_VERSION = 5
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -65,6 +65,13 @@ _SIGNATURES = {
     "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_set_probe_share": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
     "llama_ridgefill_set_selector_blind": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
+    "llama_ridgefill_set_probe_budget": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
+    "llama_ridgefill_set_random_budget": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_float, ctypes.c_uint32]),
+    "llama_ridgefill_set_protected": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_float]),
+    "llama_ridgefill_select_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32),
+                                                     ctypes.c_int32, ctypes.c_int32, ctypes.c_int,
+                                                     ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "llama_ridgefill_maps_has_unigrams": (ctypes.c_bool, [ctypes.c_void_p]),
     "llama_ridgefill_set_rescale": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool, ctypes.c_bool]),
     "llama_ridgefill_set_attention_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float,
                                                              ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
@@ -73,6 +80,8 @@ _SIGNATURES = {
 }
 
 PLACEMENTS = {"resident": 0, "streamed": 1}
+# llama_ridgefill_select_rows's rules
+RULES = {"protected": 0, "protected-half": 1, "digits": 2, "lexical": 3}
 # the production arms, then the two checks of the correctness ladder
 FILLS = {"ridge": 0, "identity": 1, "none": 2, "plumb": 3, "oracle": 4}
 
@@ -83,7 +92,10 @@ class Stats(ctypes.Structure):
                 ("n_filled", ctypes.c_int32), ("n_exact", ctypes.c_int32), ("n_special", ctypes.c_int32),
                 ("n_tail", ctypes.c_int32), ("t_early_ms", ctypes.c_double), ("t_fill_ms", ctypes.c_double),
                 ("t_exact_ms", ctypes.c_double), ("t_total_ms", ctypes.c_double), ("n_probe", ctypes.c_int32),
-                ("n_probe_exact", ctypes.c_int32), ("t_probe_ms", ctypes.c_double), ("n_attention", ctypes.c_int32)]
+                ("n_probe_exact", ctypes.c_int32), ("t_probe_ms", ctypes.c_double), ("n_attention", ctypes.c_int32),
+                ("n_budget", ctypes.c_int32), ("n_budget_protected", ctypes.c_int32),
+                ("n_budget_digits", ctypes.c_int32), ("n_budget_attention", ctypes.c_int32),
+                ("n_lexical", ctypes.c_int32), ("n_protected", ctypes.c_int32), ("n_random", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -114,6 +126,7 @@ class LoadedMaps:
     lam: float | None
     bytes: int
     warnings: str
+    has_unigrams: bool = False
 
     def free(self) -> None:
         if self.handle:
@@ -132,7 +145,8 @@ def load_maps(model, path, placement: str = "resident") -> LoadedMaps:
     return LoadedMaps(handle, lib.llama_ridgefill_maps_split(handle),
                       [lib.llama_ridgefill_maps_layer(handle, i) for i in range(n)],
                       None if tail < 0 else tail, None if lam < 0 else lam, lib.llama_ridgefill_maps_bytes(handle),
-                      lib.llama_ridgefill_maps_warnings(handle).decode())
+                      lib.llama_ridgefill_maps_warnings(handle).decode(),
+                      bool(lib.llama_ridgefill_maps_has_unigrams(handle)))
 
 
 def attach(ctx, maps: LoadedMaps | None) -> None:
@@ -146,7 +160,9 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
               exact_random: tuple[int, int] | None = None, chunk: int | None = None,
               min_prefix: int | None = None, logits_rows: int | None = None,
               probe: tuple[int, int] | None = None, attention: tuple | None = None,
-              blind: bool | None = None, rescale: tuple[int, bool, bool] | None = None) -> None:
+              blind: bool | None = None, rescale: tuple[int, bool, bool] | None = None,
+              probe_budget: tuple[int, float] | None = None, random_budget: tuple[float, int] | None = None,
+              protected: float | None = None) -> None:
     """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
     lib = _prefill_lib()
     calls = []
@@ -169,6 +185,12 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
         calls.append(("logits_rows", lib.llama_ridgefill_set_logits_rows(ctx, logits_rows)))
     if probe is not None:  # (rows that run the probe, prefix rows it makes exact)
         calls.append(("probe", lib.llama_ridgefill_set_probe(ctx, *probe)))
+    if probe_budget is not None:  # (rows that run the probe, budget factor): E from the base rules
+        calls.append(("probe_budget", lib.llama_ridgefill_set_probe_budget(ctx, *probe_budget)))
+    if random_budget is not None:  # (budget factor, seed): E random rows, the budget's control
+        calls.append(("random_budget", lib.llama_ridgefill_set_random_budget(ctx, *random_budget)))
+    if protected is not None:  # the rarest share of the protected-class tokens
+        calls.append(("protected", lib.llama_ridgefill_set_protected(ctx, protected)))
     if rescale is not None:  # (tail rows that measure, values, keys)
         calls.append(("rescale", lib.llama_ridgefill_set_rescale(ctx, *rescale)))
     if blind is not None:  # the question-blind control: the selectors' queries end before the tail
@@ -194,6 +216,18 @@ def prefill(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0) -> bo
     if rc < 0:
         raise PrefillError(lib.llama_ridgefill_last_error().decode())
     return rc == 0
+
+
+def select_rows(model, maps: LoadedMaps | None, tokens: list[int], n_prefix: int, rule: str) -> list[int]:
+    """The prefix rows one rule selects (llama_ridgefill_select_rows), ascending."""
+    lib = _prefill_lib()
+    arr = (ctypes.c_int32 * max(len(tokens), 1))(*tokens)
+    out = (ctypes.c_int32 * max(n_prefix, 1))()
+    n = lib.llama_ridgefill_select_rows(model, maps.handle if maps else None, arr, len(tokens), n_prefix, RULES[rule],
+                                        out, n_prefix)
+    if n < 0:
+        raise ValueError(lib.llama_ridgefill_last_error().decode())
+    return list(out[:n])
 
 
 def stats(ctx) -> dict:

@@ -213,12 +213,18 @@ def run_spec(spec: dict) -> tuple[dict[str, np.ndarray], dict]:
             st = {"applied": 0}
         else:
             params = dict(run.get("params", {}))
-            for key in ("exact_random", "probe", "attention", "rescale"):  # tuples arrive as JSON lists
+            for key in ("exact_random", "probe", "attention", "rescale", "probe_budget", "random_budget"):
+                # tuples arrive as JSON lists
                 if key in params:
                     params[key] = tuple(params[key])
             logits, seconds, st = sess.ridgefill(tokens, **params)
         arrays[run["name"]] = logits
         stats[run["name"]] = {**st, "seconds": seconds}
+    if spec.get("pieces"):  # the prompt's pieces and break flags, for the rules' Python twin
+        from ..select.pieces import prompt_pieces
+
+        pieces, breaks = prompt_pieces(sess.llama_cpp, sess.llm.model, tokens)
+        stats["_prompt"] = {"pieces": [p.hex() for p in pieces], "breaks": breaks}
     sess.close()
     return arrays, stats
 

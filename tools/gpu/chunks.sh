@@ -33,7 +33,7 @@ receive)
     [ -d "$chunks" ] && cp -n "$chunks"/* "$work/models/pieces/" 2>/dev/null || true
     while read -r sum n name; do
         [ -f "$work/models/$name" ] && { echo "chunks: $name ready"; continue; }
-        have=$(ls "$work/models/pieces/$name".* 2>/dev/null | wc -l)
+        have=$(ls "$work/models/pieces/$name".* 2>/dev/null | wc -l || true)
         if [ "$have" -lt "$n" ]; then echo "chunks: $name: $have of $n pieces"; continue; fi
         cat $(ls "$work/models/pieces/$name".* | sort) > "$work/models/$name.tmp"
         if [ "$(sha256sum "$work/models/$name.tmp" | cut -d' ' -f1)" != "$sum" ]; then

@@ -38,6 +38,7 @@ qwen)
     lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768 ;;
 *) echo "eval-study: smollm2 or qwen" >&2; exit 2 ;;
 esac
+splits=${SPLITS:-$splits} tails=${TAILS:-$tails}  # a subset when device time is short
 maps_args=(); for s in $splits; do maps_args+=(--maps "$maps/$prefix.S$s.gguf"); done
 tail_args=(); for t in $tails; do tail_args+=(--tail "$t"); done
 
