@@ -363,10 +363,11 @@ def corpus(folder: Path | None) -> None:
 @click.option("--placement", type=click.Choice(["resident", "streamed"]), default="resident", show_default=True)
 @click.option("--fill", type=click.Choice(["ridge", "identity", "none"]), default="ridge", show_default=True)
 @click.option("--min-prefix", type=int, default=None, help="shorter prefixes run stock (engine default 256)")
-@click.option("--select", type=click.Choice(["none", "probe", "attention"]), default="none", show_default=True,
-              help="prefix rows that run exactly besides the tail (docs/engine.md)")
+@click.option("--select", type=click.Choice(["none", "probe", "attention", "protected", "random"]), default="none",
+              show_default=True, help="prefix rows that run exactly besides the tail (docs/engine.md)")
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
-              "exact (default 0.1)")
+              "exact (default: the selector's own; the probe and random count by the budget)")
+@click.option("--budget", type=click.FloatRange(0), default=None, help="the probe's budget factor (default 1.0)")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
               help=f"context size (default: the model's, at most {32768})")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -375,8 +376,8 @@ def corpus(folder: Path | None) -> None:
 @click.option("-ngl", "--n-gpu-layers", type=int, default=None)
 @click.option("--log", "log_path", type=click.Path(dir_okay=False), default=None, help="server log file")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, n_ctx, host, port, threads, n_gpu_layers,
-          log_path, extra) -> None:
+def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, budget, n_ctx, host, port, threads,
+          n_gpu_layers, log_path, extra) -> None:
     """Start the patched llama-server on MODEL with RidgeFill MAPS; print where it listens.
 
     Arguments after `--` go to llama-server unchanged. Each request may send "ridgefill": false to prefill
@@ -384,7 +385,7 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, n
     from .serve import Server, ServerError
 
     srv = Server(model, maps, tail=tail, placement=placement, fill=fill, min_prefix=min_prefix, select=select,
-                 exact_share=exact_share, n_ctx=n_ctx,
+                 exact_share=exact_share, budget=budget, n_ctx=n_ctx,
                  host=host, port=port, threads=threads, n_gpu_layers=n_gpu_layers, extra=tuple(extra),
                  log_path=log_path)
     click.echo(f"starting: {' '.join(srv.command)}")
@@ -449,9 +450,14 @@ def _run_instrument(run, *args, out_dir: Path) -> None:
 
 
 def _selector_options(f):
-    """--exact-share, --probe-rows, --query-rows: how the fill+selector arms choose their rows."""
+    """--exact-share, --budget, --probe-share, --probe-rows, --query-rows: how the fill+selector arms choose rows."""
     for option in reversed([
-        click.option("--exact-share", default=0.1, show_default=True, help="share of the prefix a selector keeps exact"),
+        click.option("--exact-share", default=0.1, show_default=True,
+                     help="share of the prefix the attention selector keeps exact"),
+        click.option("--budget", default=1.0, show_default=True,
+                     help="the probe's budget factor: E = budget x the rows the base rules count (paper §2.4)"),
+        click.option("--probe-share", type=float, default=None,
+                     help="a fixed share of the prefix for the probe instead of the budget"),
         click.option("--probe-rows", default=256, show_default=True, help="the probe's rows (the prompt's last)"),
         click.option("--query-rows", default=64, show_default=True, help="the attention selector's query rows"),
     ]):
@@ -459,10 +465,12 @@ def _selector_options(f):
     return f
 
 
-def _selectors(exact_share: float, probe_rows: int, query_rows: int, seed: int = 0):
+def _selectors(exact_share: float, budget: float, probe_share: float | None, probe_rows: int, query_rows: int,
+               seed: int = 0):
     from .eval.arms import SelectorOptions
 
-    return SelectorOptions(exact_share=exact_share, probe_rows=probe_rows, query_rows=query_rows, seed=seed)
+    return SelectorOptions(exact_share=exact_share, budget=budget, probe_share=probe_share, probe_rows=probe_rows,
+                           query_rows=query_rows, seed=seed)
 
 
 def _document_options(default_arms: str):
@@ -498,13 +506,13 @@ def _with_document_options(f, default_arms: str):
 @_document_options("ridge,identity,none")
 @click.option("--score", default=512, show_default=True, help="the last tokens of each document that are scored")
 def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_tokens, max_docs, threads,
-             n_gpu_layers, exact_share, probe_rows, query_rows) -> None:
+             n_gpu_layers, exact_share, budget, probe_share, probe_rows, query_rows) -> None:
     """ΔNLL (arm minus exact) on all, novel and key tokens of long documents, with bootstrap intervals."""
     from .eval.nll import NllOptions, run_nll
 
     opts = NllOptions(arms=_arms(arms, selectors=True), tail=tail, score=score, min_tokens=min_tokens,
                       max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
-                      selectors=_selectors(exact_share, probe_rows, query_rows))
+                      selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows))
     _run_instrument(run_nll, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 
@@ -564,7 +572,7 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
 @click.option("--seed", default=0, show_default=True)
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
-def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, probe_rows, query_rows, fmt,
+def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, budget, probe_share, probe_rows, query_rows, fmt,
                  seed, threads, n_gpu_layers) -> None:
     """RULER-style retrieval; accuracy on the samples whose needles lie in the filled region, paired against exact."""
     from .eval.needles import NeedleOptions, run_needles
@@ -573,7 +581,7 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                          arms=_arms(arms, selectors=True, generates=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers,
-                         selectors=_selectors(exact_share, probe_rows, query_rows, seed))
+                         selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows, seed))
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
 
 
@@ -581,14 +589,14 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 @_document_options("ridge,identity")
 @click.option("--continue-tokens", default=256, show_default=True, help="length of the exact greedy continuation")
 def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_tokens, max_tokens, max_docs,
-                   threads, n_gpu_layers, exact_share, probe_rows, query_rows) -> None:
+                   threads, n_gpu_layers, exact_share, budget, probe_share, probe_rows, query_rows) -> None:
     """KL(exact || arm) and top-1 agreement along the exact greedy continuation, with bootstrap intervals."""
     from .eval.agreement import AgreementOptions, run_agreement
 
     opts = AgreementOptions(arms=_arms(arms, selectors=True, generates=True), tail=tail,
                             continue_tokens=continue_tokens, min_tokens=min_tokens, max_tokens=max_tokens,
                             max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
-                            selectors=_selectors(exact_share, probe_rows, query_rows))
+                            selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows))
     _run_instrument(run_agreement, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 

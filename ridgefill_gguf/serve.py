@@ -36,7 +36,7 @@ def free_port() -> int:
 
 def server_args(model: str | Path, maps: str | Path | None = None, *, tail: int | None = None,
                 placement: str = "resident", fill: str = "ridge", min_prefix: int | None = None,
-                select: str | None = None, exact_share: float | None = None,
+                select: str | None = None, exact_share: float | None = None, budget: float | None = None,
                 n_ctx: int | None = None, host: str = "127.0.0.1", port: int = 8080, threads: int | None = None,
                 n_gpu_layers: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     n_ctx = n_ctx or min(model_context(model), DEFAULT_MAX_CTX)
@@ -52,6 +52,8 @@ def server_args(model: str | Path, maps: str | Path | None = None, *, tail: int 
             args += ["--ridgefill-select", select]
         if exact_share is not None:
             args += ["--ridgefill-exact-share", str(exact_share)]
+        if budget is not None:
+            args += ["--ridgefill-budget", str(budget)]
     if threads:
         args += ["-t", str(threads)]
     if n_gpu_layers is not None:

@@ -69,7 +69,7 @@ def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
     (docs / "short.txt").write_text("too short\n")
     opts = NllOptions(arms=("plumb", "ridge", "none", "ridge+probe", "ridge+random:probe"), tail=128, score=64,
                       min_tokens=300, max_tokens=600, threads=2, flash_attn=False,
-                      selectors=SelectorOptions(exact_share=0.1, probe_rows=32))
+                      selectors=SelectorOptions(probe_share=0.1, probe_rows=32))
     logs = []
     r = run_nll(model, maps, [docs], tmp_path / "out", opts, log=logs.append)
     assert r["documents"] == 3 and any("skip short.txt" in line for line in logs)
@@ -173,8 +173,12 @@ def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_select
     for bad in (["ridge+random:probe"], ["fast"], ["ridge+magic"]):
         with pytest.raises(ValueError):
             parse_arms(bad)
-    sel = SelectorOptions(exact_share=0.1, probe_rows=128)
+    sel = SelectorOptions(exact_share=0.1, probe_share=0.1, probe_rows=128)
     assert arm_params(arms[1], 1040, 40, sel, {})["probe"] == (128, 100)
+    budgeted = arm_params(arms[1], 1040, 40, SelectorOptions(budget=0.5, probe_rows=64), {})
+    assert budgeted["probe_budget"] == (64, 0.5) and budgeted["probe"] == (0, 0) and budgeted["protected"] == 0.0
+    protected = arm_params(parse_arms(["ridge+protected"])[0], 1040, 40, SelectorOptions(), {})
+    assert protected["protected"] == 0.25 and "probe_budget" not in protected
     p = arm_params(arms[3], 1040, 40, sel, {"probe": 97})
     assert p["exact_random"] == (97, 0) and p["probe"] == (0, 0) and p["attention"][1] == 0.0 and not p["blind"]
     blind = arm_params(parse_arms(["ridge+blind-probe"])[0], 1040, 40, sel, {})
@@ -201,7 +205,7 @@ def test_eval_needles_runs_a_selector_and_its_count_matched_random_control(tmp_p
     model, maps = _tiny_model_and_maps(tmp_path)
     opts = NeedleOptions(tasks=("single",), lengths=(700,), samples=2, tails=(128,),
                          arms=("ridge+probe", "ridge+random:probe", "ridge"), fmt="completion", threads=2,
-                         flash_attn=False, selectors=SelectorOptions(exact_share=0.1, probe_rows=32))
+                         flash_attn=False, selectors=SelectorOptions(probe_share=0.1, probe_rows=32))
     run_needles(model, [maps], tmp_path / "out", opts, log=lambda _: None)
     answers = {(a["sample"], a["arm"]): a for a in
                map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}

@@ -1,8 +1,11 @@
 """Arms of an evaluation: a fill, optionally with a row selector, and the count-matched random control.
 
   ridge, identity, none (and the checks plumb, oracle)   the fill alone
-  ridge+probe, identity+probe                            the probe keeps exact_share of the prefix exact
+  ridge+probe, identity+probe                            the probe: E rows by the budget (paper §2.4, lexical-net
+                                                         rows first), or probe_share of the prefix when set
   ridge+attention                                        the attention selector keeps exact_share
+  ridge+protected                                        the rarest protected_share of the protected-class tokens
+                                                         (needs maps with a token frequency table)
   ridge+blind-probe, ridge+blind-attention               the question-blind controls: the selector's query rows
                                                          end before the tail, so it cannot see the question
   ridge+random:probe, ridge+random:attention             as many random prefix rows as that selector chose on
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 FILLS = ("ridge", "identity", "none", "plumb", "oracle")
-SELECTORS = ("probe", "attention", "blind-probe", "blind-attention")
+SELECTORS = ("probe", "attention", "protected", "blind-probe", "blind-attention")
 RESCALES = ("values", "keys", "both")
 
 
@@ -31,7 +34,10 @@ class Arm:
 
 @dataclass
 class SelectorOptions:
-    exact_share: float = 0.1   # of the prefix, for the probe and the attention selector
+    exact_share: float = 0.1   # of the prefix, for the attention selector
+    budget: float = 1.0        # the probe's budget factor: E = budget x the rows the base rules count
+    probe_share: float | None = None  # a fixed share of the prefix for the probe instead of the budget
+    protected_share: float = 0.25
     probe_rows: int = 256
     query_rows: int = 64
     rescale_rows: int = 512    # the tail rows that measure the rescales
@@ -82,15 +88,20 @@ def parse_arms(names: tuple[str, ...] | list[str], generates: bool = False) -> l
 
 def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts: dict[str, int]) -> dict:
     """Every prefill parameter the arm sets, selectors off unless it uses one (the engine keeps parameters)."""
+    # "probe" resets the budget too; a budgeted probe sets "probe_budget" after it
     params = {"fill": arm.fill, "probe": (0, 0), "attention": (sel.query_rows, 0.0, None), "exact_random": (0, 0),
+              "protected": 0.0,
               "blind": bool(arm.selector and arm.selector.startswith("blind-")),
               "rescale": (sel.rescale_rows, arm.rescale in ("values", "both"), arm.rescale in ("keys", "both"))}
-    count = int(sel.exact_share * max(n_prompt - tail, 0) + 0.5)
     kind = arm.selector.removeprefix("blind-") if arm.selector else None
-    if kind == "probe":
-        params["probe"] = (sel.probe_rows, count)
+    if kind == "probe" and sel.probe_share is not None:
+        params["probe"] = (sel.probe_rows, int(sel.probe_share * max(n_prompt - tail, 0) + 0.5))
+    elif kind == "probe":
+        params["probe_budget"] = (sel.probe_rows, sel.budget)
     elif kind == "attention":
         params["attention"] = (sel.query_rows, sel.exact_share, None)
+    elif kind == "protected":
+        params["protected"] = sel.protected_share
     if arm.random_of:
         params["exact_random"] = (counts[arm.random_of], sel.seed)
     return params
@@ -112,4 +123,6 @@ def run_arms(arms: list[Arm], n_prompt: int, tail: int, sel: SelectorOptions,
 
 def selected(stats: dict, selector: str) -> int:
     """How many prefix rows a selector made exact, from a prefill's statistics."""
-    return int(stats["n_probe_exact"] if selector.endswith("probe") else stats["n_attention"])
+    if selector.endswith("probe"):
+        return int(stats["n_probe_exact"] + stats.get("n_lexical", 0))
+    return int(stats["n_protected"] if selector == "protected" else stats["n_attention"])
