@@ -13,6 +13,7 @@ from ridgefill_gguf.cli import main
 from ridgefill_gguf.fit.capture import OUTLIER_FACTOR, row_mask
 from ridgefill_gguf.fit.run import FitError, HeldOut, check_memory, evaluate
 from ridgefill_gguf.fit.sums import SplitSums
+from ridgefill_gguf.select.unigrams import read_token_freq
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 12
@@ -77,6 +78,7 @@ def test_capture_into_torch_tensors_gives_the_rows_and_sums_of_the_numpy_path(ti
 import numpy as np
 from ridgefill_gguf.fit.capture import Capturer
 from ridgefill_gguf.fit.sums import SplitSums
+from ridgefill_gguf.select.unigrams import read_token_freq
 cap = Capturer({str(tiny_models['qwen3'])!r}, 0, n_ctx=1024, n_batch=64, n_threads=2)
 tokens = cap.tokenize({TEXT!r}, 300)
 sums = []
@@ -136,6 +138,9 @@ r = fit(Path({str(deep_qwen3)!r}), [Path({str(calib)!r})], [Path({str(held)!r})]
     assert split["rows"] + 4 == report["calibration"]["tokens"]
     assert out.with_name("maps.fit.md").exists() and out.with_name("maps.fit.png").stat().st_size > 1000
     assert {"input_cos", "k_cos", "v_cos"} <= split["fitted"][0].keys()
+    # the protected selectors' table: every calibration token counted once, plus one per vocabulary entry
+    freq = read_token_freq(out)
+    assert freq is not None and int(freq.sum()) - freq.size == report["calibration"]["tokens"]
     # a new solve from the saved sums, choosing on the saved held-out rows, gives the same file
     again = tmp_path / "again.gguf"
     result = CliRunner().invoke(main, ["solve", str(out.with_name("maps.sums.npz")), "--model", str(deep_qwen3),
@@ -203,6 +208,7 @@ def test_fewer_rows_than_the_width_are_refused(deep_qwen3, texts, tmp_path):
     calib, held = texts
     code = f"""
 from pathlib import Path
+from ridgefill_gguf.select.unigrams import read_token_freq
 from ridgefill_gguf.fit.run import FitError, FitOptions, fit
 try:
     fit(Path({str(deep_qwen3)!r}), [Path({str(calib)!r})], [Path({str(held)!r})],
@@ -241,6 +247,7 @@ def test_layer_groups_fitted_in_separate_passes_merge_into_the_one_pass_file(dee
     calib, held = texts
     code = f"""
 from pathlib import Path
+from ridgefill_gguf.select.unigrams import read_token_freq
 from ridgefill_gguf.fit.run import FitOptions, fit
 for name, group in (("all", None), ("g2", (2, 2)), ("g3", (3, 3))):
     fit(Path({str(deep_qwen3)!r}), [Path({str(calib)!r})], [Path({str(held)!r})], Path({str(tmp_path)!r}) / f"{{name}}.gguf",

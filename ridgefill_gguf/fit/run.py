@@ -12,7 +12,6 @@ import numpy as np
 
 from ..maps import format as fmt
 from ..maps.convert import encode
-from ..select.unigrams import count_documents
 from ..util import save_figure, write_atomic
 from .capture import Capturer, iter_documents, sums_device
 from .score import CacheProjector, LayerScore, score_layer
@@ -104,6 +103,7 @@ def capture_calibration(cap: Capturer, docs, state: CaptureState, opts: FitOptio
             log(f"fit: reached --max-rows {opts.max_rows}")
             break
         tokens = cap.tokenize(doc.text, opts.max_doc_tokens)
+        state.count_tokens(tokens, cap.llm.n_vocab())
         got = cap.capture(tokens, opts.splits, opts.stride, device=sums_device())
         for split, rows in got.splits.items():
             state.splits[split].add(rows.x, rows.ys)
@@ -171,10 +171,9 @@ def output_path(out: Path, split: int, n_splits: int) -> Path:
 
 
 def write_split_maps(out: Path, model_fp: fmt.ModelFingerprint, ss: SplitSums, lam: float, state: CaptureState,
-                     opts: FitOptions, force: bool, solution: dict | None = None,
-                     token_freq: np.ndarray | None = None) -> Path:
-    """Maps at λ; `solution` is that λ's solve when the caller has it already; token_freq: the calibration text's
-    add-one unigram counts (rf_token_freq), when known."""
+                     opts: FitOptions, force: bool, solution: dict | None = None) -> Path:
+    """Maps at λ, with the calibration text's token frequencies (rf_token_freq) when the sums counted them;
+    `solution` is that λ's solve when the caller has it already."""
     sol = solution or solve(ss, lam)
     qtype = fmt.WEIGHT_TYPES[opts.outtype]
     meta = fmt.MapsMeta(architecture=model_fp.architecture, split=ss.split, layers=ss.layers, lam=lam,
@@ -188,7 +187,7 @@ def write_split_maps(out: Path, model_fp: fmt.ModelFingerprint, ss: SplitSums, l
         s = sol[plan.layer]
         return fmt.LayerMap(plan.layer, encode(s.weight, qtype), qtype, plan.d_in, s.bias)
 
-    return fmt.write_maps(out, meta, plans, produce, token_freq=token_freq, force=force)
+    return fmt.write_maps(out, meta, plans, produce, token_freq=state.token_freq(), force=force)
 
 
 def validate(model_fp: fmt.ModelFingerprint, calib: list, heldout: list, opts: FitOptions) -> None:
@@ -250,9 +249,6 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
             if ss.n < ss.d_in:
                 raise FitError(f"split {s}: {ss.n} calibration rows, fewer than d_in = {ss.d_in}: give more text")
         heldout_rows = capture_heldout(cap, heldout, opts, log)
-        # the protected selectors' table: the calibration text's tokens as the capture saw them
-        token_freq = count_documents(lambda text: cap.tokenize(text, opts.max_doc_tokens), (d.text for d in calib),
-                                     cap.llm.n_vocab())
     finally:
         cap.close()
     heldout_rows.save(heldout_path(sums_path))
@@ -271,7 +267,7 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
         t0 = time.perf_counter()
         ev = evaluate(ss, heldout_rows, proj, opts.lambdas, log)
         t_solve = time.perf_counter() - t0
-        write_split_maps(o, model_fp, ss, ev["best"], state, opts, force, ev["solution"], token_freq=token_freq)
+        write_split_maps(o, model_fp, ss, ev["best"], state, opts, force, ev["solution"])
         report["splits"][s] = split_report(ss, ev, o, t_solve)
         log(f"fit: split {s}: lambda {ev['best']:.4g}, wrote {o}")
     report["seconds"] = time.perf_counter() - t_start

@@ -106,6 +106,20 @@ class CaptureState:
     tokens: int = 0
     excluded_rows: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> reason -> rows
     options: dict = field(default_factory=dict)
+    # each token id's count over the calibration documents (rf_token_freq is this plus one); None when the sums
+    # were begun by a version that did not count
+    token_counts: np.ndarray | None = None
+
+    def count_tokens(self, tokens: list[int], n_vocab: int) -> None:
+        if self.token_counts is None and not self.done_docs:
+            self.token_counts = np.zeros(n_vocab, dtype=np.int64)
+        if self.token_counts is not None:
+            ids = np.asarray(tokens, dtype=np.int64)
+            self.token_counts += np.bincount(ids[(ids >= 0) & (ids < n_vocab)], minlength=n_vocab)
+
+    def token_freq(self) -> np.ndarray | None:
+        """The add-one unigram counts a maps file carries (tensor rf_token_freq)."""
+        return None if self.token_counts is None else (self.token_counts + 1).astype(np.float32)
 
     def save(self, path: Path) -> None:
         """Atomically: an interrupted save leaves the previous checkpoint intact."""
@@ -120,6 +134,8 @@ class CaptureState:
                   "splits": {str(s): {"layers": ss.layers, "d_in": ss.d_in, "d_out": ss.d_out, "n": ss.n}
                              for s, ss in self.splits.items()}}
         arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+        if self.token_counts is not None:
+            arrays["token_counts"] = self.token_counts
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
         os.close(fd)
@@ -145,5 +161,6 @@ class CaptureState:
                                {layer: data[f"{s}/sum_y/{layer}"] for layer in layers},
                                {layer: data[f"{s}/xty/{layer}"] for layer in layers})
                 splits[s] = ss
+            counts = data["token_counts"].copy() if "token_counts" in data.files else None
         return cls(header["model_sha"], splits, header["done_docs"], header["tokens"], header["excluded_rows"],
-                   header["options"])
+                   header["options"], counts)

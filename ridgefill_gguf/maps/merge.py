@@ -49,4 +49,11 @@ def merge(parts: list[str | Path], out: str | Path, force: bool = False) -> Path
         bias = np.asarray(g.raw(fmt.bias_name(plan.layer))).view(np.float32)
         return fmt.LayerMap(plan.layer, raw.reshape(plan.d_out, -1), plan.weight_type, plan.d_in, bias)
 
-    return fmt.write_maps(out, meta, plans, produce, force=force)
+    # the token frequency table belongs to the calibration text, which every part read
+    tables = [np.asarray(g.raw(fmt.TOKEN_FREQ)).view(np.float32) if fmt.TOKEN_FREQ in g.tensors else None
+              for g in files]
+    token_freq = tables[0]
+    if any((t is None) != (token_freq is None) or (t is not None and not np.array_equal(t, token_freq))
+           for t in tables):
+        raise MergeError(f"the parts disagree on {fmt.TOKEN_FREQ} (fitted on different calibration text?)")
+    return fmt.write_maps(out, meta, plans, produce, token_freq=token_freq, force=force)
