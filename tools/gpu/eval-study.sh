@@ -2,7 +2,9 @@
 # On the GPU machine: the first quality study of issue 6 (docs/eval.md), after the models arrived
 # (tools/gpu/chunks.sh) and the patched tree is built (RIDGEFILL_GPU_TREES=ridgefill TARGETS="llama ggml"
 # bash tools/gpu/build-and-test.sh --build-only). Carry .cache/device/maps and .cache/device/corpus-eval too.
-#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement ...]
+#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors ...]
+# selectors is issue 8's study: at the middle split and T = 1024, the needles with the exact-row arms (at least 50
+# filled-region samples) and the loss on key tokens beside them.
 # Results accumulate under $HOME/ridgefill/study (every instrument resumes) and come back as $OUT/study.tgz at the
 # end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier
 # call are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the
@@ -32,10 +34,10 @@ step() {
 case "$which" in
 smollm2)
     model="$work/models/SmolLM2-135M-Instruct.Q4_1.gguf"; splits="11 15 19"; prefix=smollm2
-    lengths=4096,8192; tails="1024 4096"; doc_max=8192 ;;
+    lengths=4096,8192; tails="1024 4096"; doc_max=8192; mid=15; select_samples=10 ;;
 qwen)
     model="$work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"; splits="9 12 15"; prefix=qwen
-    lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768 ;;
+    lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6 ;;
 *) echo "eval-study: smollm2 or qwen" >&2; exit 2 ;;
 esac
 splits=${SPLITS:-$splits} tails=${TAILS:-$tails}  # a subset when device time is short
@@ -47,6 +49,13 @@ for inst in $instruments; do
     needles)
         step needles "$model" "${maps_args[@]}" "${tail_args[@]}" --lengths "$lengths" --samples "${SAMPLES:-8}" \
             --arms "${ARMS:-ridge,identity}" --out "$study/needles-$which" -ngl 99 ;;
+    selectors)
+        step needles "$model" --maps "$maps/$prefix.S$mid.gguf" --tail 1024 --lengths "$lengths" \
+            --samples "${SAMPLES:-$select_samples}" --out "$study/selectors-$which-S$mid-T1024" -ngl 99 \
+            --arms "${ARMS:-ridge,ridge+probe,ridge+random:probe,ridge+attention,identity+probe,ridge+blind-probe}"
+        step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail 1024 --min-tokens 3072 \
+            --max-tokens "$doc_max" --max-docs "${MAX_DOCS:-12}" --score 512 -ngl 99 \
+            --arms ridge,ridge+probe,ridge+random:probe,ridge+protected --out "$study/selectors-nll-$which-S$mid-T1024" ;;
     nll|agreement)
         for s in $splits; do for t in $tails; do
             extra=(); [ "$inst" = nll ] && extra=(--score 512)
