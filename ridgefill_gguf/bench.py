@@ -120,12 +120,16 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
               placements: tuple[str, ...] = ("resident",), repeats: int = 3, n_gpu_layers: int | None = None,
               threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
               label: str | None = None, min_prefix: int | None = None, extra: tuple[str, ...] = (),
-              vs_upstream: bool = False, log: Callable[[str], None] = print) -> dict:
+              vs_upstream: bool = False, selectors: tuple[str, ...] = (), exact_shares: tuple[float, ...] = (),
+              log: Callable[[str], None] = print) -> dict:
+    """selectors: per length, RidgeFill with each exact-row selector (per request) beside plain RidgeFill.
+    exact_shares: per length, RidgeFill with that share of the prefix as random exact rows, for the line
+    tau(E) = tau0 + E sigma of paper Appendix H and kappa, an exact prefix row's cost over a tail row's."""
     shape = ModelShape.from_gguf(model)
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
     text = text or default_text(6 * n_max)
-    rows, off_rows, commands = [], [], {}
+    rows, off_rows, commands, sel_rows, lines = [], [], {}, [], []
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hw = hardware()
@@ -136,7 +140,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
         result = {"benchmark": "time to first token, exact vs RidgeFill", "date": dt.date.today().isoformat(),
                   "hardware": hw, "model": str(model), "maps": str(maps), "split": split, "tail": tail,
                   "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS},
-                  "server_commands": commands, "partial": partial, "rows": rows, "off_vs_upstream": off_rows}
+                  "server_commands": commands, "partial": partial, "rows": rows, "off_vs_upstream": off_rows,
+                  "selectors": sel_rows, "exact_rows_line": lines}
         stem = f"{result['date']}-{label or Path(model).stem}"
         write_atomic(out_dir / f"{stem}.json", json.dumps(result, indent=2) + "\n")
         write_atomic(out_dir / f"{stem}.md", markdown(result))
@@ -198,6 +203,10 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                                      "stock_before_ridgefill": stock_peak}})
                     log(f"bench: {placement} {n} tokens: speedup {speedup:.2f}x (ceiling {c_mac:.2f}x by MACs, "
                         f"{c_layer:.2f}x by layers)")
+                    for sel in selectors:
+                        sel_rows.append(time_selector(srv, by_n[n], sel, repeats, rows[-1], placement, n, log))
+                    if exact_shares:
+                        lines.append(time_exact_rows(srv, by_n[n], exact_shares, repeats, rows[-1], placement, n, log))
                     save(partial=True)
         if vs_upstream:
             # the cost of carrying RidgeFill: upstream's server against the patched one with maps attached and
@@ -226,6 +235,62 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     return save(partial=False)
 
 
+def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, base: dict, placement: str,
+                  n: int, log: Callable[[str], None]) -> dict:
+    """RidgeFill with one exact-row selector, against the same length's exact and plain RidgeFill medians."""
+    ms, stats = [], []
+    for i in range(repeats):
+        t = srv.complete(prompt, n_predict=1, ridgefill=True, ridgefill_select=selector)["timings"]
+        if "ridgefill" not in t or "refused" in t["ridgefill"]:
+            raise RuntimeError(f"{n} tokens: selector {selector} did not run: {t.get('ridgefill')}")
+        ms.append(t["prompt_ms"])
+        stats.append(t["ridgefill"])
+    st, med = stats[-1], statistics.median(ms)
+    log(f"bench: {placement} {n} tokens, {selector}: {med:.0f} ms, {st['selected']} rows selected")
+    return {"placement": placement, "tokens": n, "selector": selector, "ms": ms, "median_ms": med,
+            "speedup_vs_exact": base["median_exact_ms"] / med, "vs_plain": base["median_ridgefill_ms"] / med,
+            "selected": st["selected"], "budget": st.get("budget", 0), "lexical": st.get("lexical", 0),
+            "prefix": st["filled"] + st["exact"],
+            "phases_ms": {k: statistics.median(s[k] for s in stats)
+                          for k in ("early_ms", "fill_ms", "exact_ms", "probe_ms")}}
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares: (tau0, sigma) of tau = tau0 + E sigma."""
+    n = len(points)
+    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    sigma = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx else 0.0
+    return my - sigma * mx, sigma
+
+
+def time_exact_rows(srv: Server, prompt: list[int], shares: tuple[float, ...], repeats: int, base: dict,
+                    placement: str, n: int, log: Callable[[str], None]) -> dict:
+    """tau(E) with E random exact prefix rows (E = share x the prefix), its line, and kappa: sigma over a tail
+    row's time in the late layers (the exact phase with no exact prefix rows, per tail row)."""
+    points, exact_phase0, tail = [], None, None
+    for share in (0.0, *[x for x in shares if x > 0]):
+        ms, stats = [], []
+        for _ in range(repeats):
+            t = srv.complete(prompt, n_predict=1, ridgefill=True, ridgefill_select="random",
+                             ridgefill_exact_share=share)["timings"]
+            ms.append(t["prompt_ms"])
+            stats.append(t["ridgefill"])
+        e = stats[-1]["exact"] - stats[-1]["special"]
+        points.append((e, statistics.median(ms)))
+        if share == 0.0:
+            exact_phase0 = statistics.median(s["exact_ms"] for s in stats)
+            tail = stats[-1]["tail"]
+        log(f"bench: {placement} {n} tokens, {e} random exact rows: {points[-1][1]:.0f} ms")
+    tau0, sigma = fit_line(points)
+    tail_row_ms = exact_phase0 / tail if exact_phase0 and tail else None
+    return {"placement": placement, "tokens": n, "points": [{"exact_rows": e, "median_ms": m} for e, m in points],
+            "tau0_ms": tau0, "sigma_ms_per_row": sigma, "tail_row_ms": tail_row_ms,
+            "kappa": sigma / tail_row_ms if tail_row_ms else None,
+            # how many exact prefix rows keep RidgeFill no slower than exact prefill (Appendix H)
+            "break_even_rows": (base["median_exact_ms"] - tau0) / sigma if sigma > 0 else None}
+
+
 def markdown(r: dict) -> str:
     hw = r["hardware"]
     lines = [f"# Time to first token: {Path(r['model']).name}, split {r['split']}, tail {r['tail']}", "",
@@ -250,6 +315,26 @@ def markdown(r: dict) -> str:
             m = x["peak_memory_mib"]
             lines.append(f"| {x['placement']} | {x['tokens']} | {m['stock_before_ridgefill']} | {m['exact']} | "
                          f"{m['ridgefill']} |")
+    if r.get("selectors"):
+        lines += ["", "Exact-row selectors (medians, ms; per request, on the same server):", "",
+                  "| placement | tokens | selector | RidgeFill + selector | vs exact | vs plain RidgeFill | rows selected "
+                  "(of the prefix) | budget E / lexical | probe (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+        for x in r["selectors"]:
+            lines.append(f"| {x['placement']} | {x['tokens']} | {x['selector']} | {x['median_ms']:.0f} | "
+                         f"{x['speedup_vs_exact']:.2f}x | {x['vs_plain']:.2f}x | {x['selected']} "
+                         f"({100 * x['selected'] / max(x['prefix'], 1):.0f}%) | {x['budget']} / {x['lexical']} | "
+                         f"{x['phases_ms']['probe_ms']:.0f} |")
+    if r.get("exact_rows_line"):
+        lines += ["", "Exact prefix rows and time (paper Appendix H: tau(E) = tau0 + E sigma; kappa = sigma over a "
+                  "tail row's late-layer time; random rows, medians):", "",
+                  "| placement | tokens | E: median ms | tau0 (ms) | sigma (ms/row) | kappa | rows affordable |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in r["exact_rows_line"]:
+            pts = ", ".join(f"{p['exact_rows']}: {p['median_ms']:.0f}" for p in x["points"])
+            kappa = f"{x['kappa']:.2f}" if x["kappa"] is not None else "n/a"
+            even = f"{x['break_even_rows']:.0f}" if x["break_even_rows"] is not None else "n/a"
+            lines.append(f"| {x['placement']} | {x['tokens']} | {pts} | {x['tau0_ms']:.0f} | "
+                         f"{x['sigma_ms_per_row']:.4f} | {kappa} | {even} |")
     if r.get("off_vs_upstream"):
         lines += ["", "RidgeFill attached but off, against the upstream build (medians, ms):", "",
                   "| tokens | upstream | attached, off | off / upstream |", "|---|---|---|---|"]

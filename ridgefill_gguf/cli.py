@@ -423,13 +423,21 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, b
 @click.option("--label", default=None, help="names the result files (default: the model's file name)")
 @click.option("--vs-upstream", is_flag=True, help="also time the upstream server against the patched one with "
               "RidgeFill attached but off")
-def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label, vs_upstream) -> None:
+@click.option("--select", "selectors", multiple=True,
+              type=click.Choice(["probe", "attention", "protected", "random"]),
+              help="also time RidgeFill with this exact-row selector (repeatable)")
+@click.option("--exact-shares", default=None,
+              help="comma-separated shares of the prefix run as random exact rows: the line tau(E) and kappa")
+def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label, vs_upstream,
+          selectors, exact_shares) -> None:
     """Time to first token of MODEL, exact against RidgeFill, side by side on one server; JSON, Markdown, PNG."""
     from .bench import run_bench
 
     result = run_bench(model, maps, list(_ints(lengths, "--lengths")), tail=tail,
                        placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
-                       threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream, log=click.echo)
+                       threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream,
+                       selectors=tuple(selectors), exact_shares=_floats(exact_shares) if exact_shares else (),
+                       log=click.echo)
     click.echo(Path(result["files"][1]).read_text())
     click.echo("wrote " + ", ".join(result["files"]))
 

@@ -59,6 +59,29 @@ def test_the_bench_times_upstream_against_ridgefill_attached_but_off(tmp_path):
     assert "| 400 |" in (tmp_path / "out" / f"{r['date']}-off.md").read_text().split("against the upstream build")[1]
 
 
+def test_the_exact_row_line_is_fitted_by_least_squares():
+    from ridgefill_gguf.bench import fit_line
+
+    assert fit_line([(0, 10.0), (100, 30.0), (200, 50.0)]) == pytest.approx((10.0, 0.2))
+
+
+def test_the_bench_times_selectors_and_the_exact_row_line_beside_plain_ridgefill(tmp_path):
+    require_builds("ridgefill")
+    model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=4)
+    maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
+    r = run_bench(model, maps, [500], tail=64, repeats=1, threads=2, out_dir=tmp_path / "out", label="sel",
+                  min_prefix=0, selectors=("probe", "random"), exact_shares=(0.25, 0.5), log=lambda s: None)
+    probe, rand = r["selectors"]
+    assert probe["selector"] == "probe" and rand["selector"] == "random"
+    # the tiny prompt's budget: its digit tokens (no table, no layer 3/7/11/15 below split 1); random matches it
+    assert probe["budget"] == rand["budget"] == rand["selected"] > 0 and probe["prefix"] == 436
+    (line,) = r["exact_rows_line"]
+    assert [p["exact_rows"] for p in line["points"]] == [0, 109, 218]
+    assert line["tail_row_ms"] > 0 and line["kappa"] is not None
+    md = (tmp_path / "out" / f"{r['date']}-sel.md").read_text()
+    assert "| resident | 500 | probe |" in md and "| resident | 500 | 0: " in md
+
+
 def test_the_sweep_one_control_times_the_first_layers_stock_against_sweep_one(tmp_path):
     require_builds("ridgefill")
     shape = dataclasses.replace(tiny_shape("qwen3"), n_layer=4)

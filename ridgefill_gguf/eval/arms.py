@@ -124,5 +124,5 @@ def run_arms(arms: list[Arm], n_prompt: int, tail: int, sel: SelectorOptions,
 def selected(stats: dict, selector: str) -> int:
     """How many prefix rows a selector made exact, from a prefill's statistics."""
     if selector.endswith("probe"):
-        return int(stats["n_probe_exact"] + stats.get("n_lexical", 0))
-    return int(stats["n_protected"] if selector == "protected" else stats["n_attention"])
+        return int(stats.get("n_probe_exact", 0) + stats.get("n_lexical", 0))
+    return int(stats.get("n_protected", 0) if selector == "protected" else stats.get("n_attention", 0))

@@ -192,7 +192,8 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
         else:
             logits, _, st = sess.ridgefill(tokens, **params)
         out = sess.greedy(logits, len(tokens), MAX_NEW[task])
-        keep = ("applied", "n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "reason")
+        keep = ("applied", "n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "n_budget",
+                "n_lexical", "n_protected", "n_random", "reason")
         return {"pred": sess.detokenize(out), "stats": {k: st[k] for k in keep if k in st}}
 
     samples: list[Sample] = []
