@@ -2,7 +2,8 @@
 # On the GPU machine after tools/gpu/prepare-8b.sh: time to first token, exact against RidgeFill, for the
 # Qwen3-8B-shaped random model, split 13, tail 4096, resident and streamed (issue 5). Results in $OUT/bench.
 #   TOKENS=16384,32768,65536 [PLACEMENTS=resident,streamed] [UBATCH=512] [VS_UPSTREAM=1] [LABEL=...] \
-#       bash tools/gpu/bench-prefill-8b.sh
+#       [SELECT=probe,random] [EXACT_SHARES=0.1,0.2,0.3] bash tools/gpu/bench-prefill-8b.sh
+# SELECT and EXACT_SHARES: issue 8's cost (the selectors beside plain RidgeFill; the line tau(E) and kappa).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
@@ -19,6 +20,8 @@ r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=4096,
               placements=tuple(os.environ.get("PLACEMENTS", "resident,streamed").split(",")),
               repeats=int(os.environ.get("REPEATS", "3")), n_gpu_layers=99, out_dir=sys.argv[3],
               label=os.environ.get("LABEL", f"{os.environ.get('PRESET', 'qwen3-8b')}-{os.environ.get('DTYPE', 'q8_0')}-shape-h200"), vs_upstream=os.environ.get("VS_UPSTREAM") == "1",
+              selectors=tuple(x for x in os.environ.get("SELECT", "").split(",") if x),
+              exact_shares=tuple(float(x) for x in os.environ.get("EXACT_SHARES", "").split(",") if x),
               # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it
               extra=("--override-kv", f"{'llama' if os.environ.get('PRESET', '').startswith('llama') else 'qwen3'}"
                      ".context_length=int:131072") + (("-b", ub, "-ub", ub) if ub else ()))
