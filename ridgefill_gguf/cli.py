@@ -363,7 +363,8 @@ def corpus(folder: Path | None) -> None:
 @click.option("--placement", type=click.Choice(["resident", "streamed"]), default="resident", show_default=True)
 @click.option("--fill", type=click.Choice(["ridge", "identity", "none"]), default="ridge", show_default=True)
 @click.option("--min-prefix", type=int, default=None, help="shorter prefixes run stock (engine default 256)")
-@click.option("--select", type=click.Choice(["none", "probe", "attention", "protected", "random"]), default="none",
+@click.option("--select", type=click.Choice(["none", "probe", "attention", "protected", "random", "blind-probe",
+                                            "blind-attention"]), default="none",
               show_default=True, help="prefix rows that run exactly besides the tail (docs/engine.md)")
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
               "exact (default: the selector's own; the probe and random count by the budget)")
@@ -424,7 +425,7 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, b
 @click.option("--vs-upstream", is_flag=True, help="also time the upstream server against the patched one with "
               "RidgeFill attached but off")
 @click.option("--select", "selectors", multiple=True,
-              type=click.Choice(["probe", "attention", "protected", "random"]),
+              type=click.Choice(["probe", "attention", "protected", "random", "blind-probe", "blind-attention"]),
               help="also time RidgeFill with this exact-row selector (repeatable)")
 @click.option("--exact-shares", default=None,
               help="comma-separated shares of the prefix run as random exact rows: the line tau(E) and kappa")

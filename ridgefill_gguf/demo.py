@@ -75,32 +75,33 @@ def run_demo(model_key: str | None = None, max_tokens: int = 24, min_tokens: int
         body = {"messages": [{"role": "user", "content": f"{document}\n\n{QUESTION}"}], "max_tokens": max_tokens,
                 "temperature": 0, "cache_prompt": False}
         arms = {}
-        for name, rf in (("stock", False), ("RidgeFill", True)):
+        # plain RidgeFill, and RidgeFill with the probe's exact rows (paper §2.4), against the stock prefill
+        for name, extra in (("stock", {"ridgefill": False}), ("RidgeFill", {"ridgefill_select": "none"}),
+                            ("RidgeFill + probe", {"ridgefill_select": "probe"})):
             echo(f"demo: asking ({name} prefill) ...")
-            reply = srv.post("/v1/chat/completions", {**body, "ridgefill": rf})
+            reply = srv.post("/v1/chat/completions", {**body, **extra})
             t = reply["timings"]
             arms[name] = {"prompt_tokens": t["prompt_n"], "prompt_ms": t["prompt_ms"],
                           "answer": reply["choices"][0]["message"]["content"].strip(),
                           "ridgefill": t.get("ridgefill")}
-    stock, rf = arms["stock"], arms["RidgeFill"]
-    st = rf["ridgefill"] or {}
-    rows = [("prompt tokens", stock["prompt_tokens"], rf["prompt_tokens"]),
-            ("time to first token", f"{stock['prompt_ms'] / 1000:.1f} s", f"{rf['prompt_ms'] / 1000:.1f} s"),
-            ("answer", stock["answer"], rf["answer"]),
-            ("finds the codename", CODENAME in stock["answer"], CODENAME in rf["answer"])]
+    stock = arms["stock"]
+    names = list(arms)
+    rows = [("prompt tokens", *[arms[k]["prompt_tokens"] for k in names]),
+            ("time to first token", *[f"{arms[k]['prompt_ms'] / 1000:.1f} s" for k in names]),
+            ("speedup", *[f"{stock['prompt_ms'] / arms[k]['prompt_ms']:.2f}x" for k in names]),
+            ("answer", *[arms[k]["answer"] for k in names]),
+            ("finds the codename", *[CODENAME in arms[k]["answer"] for k in names])]
     echo("")
-    echo(f"{'':22}| {'stock':32}| RidgeFill")
-    for label, a, b in rows:
-        echo(f"{label:22}| {textwrap.shorten(str(a), 30):32}| {textwrap.shorten(str(b), 60)}")
-    if st:
-        echo(f"\nRidgeFill: split {st['split']}, {st['filled']} rows filled, {st['exact']} exact "
-             f"({st['special']} special tokens), tail {st['tail']}; sweep one {st['early_ms'] / 1000:.1f} s, "
-             f"fill {st['fill_ms'] / 1000:.1f} s, exact rows {st['exact_ms'] / 1000:.1f} s; "
-             f"speedup {stock['prompt_ms'] / rf['prompt_ms']:.2f}x")
-        if CODENAME in stock["answer"] and CODENAME not in rf["answer"]:
-            echo("Plain RidgeFill lost part of the answer: the planted line is a filled row, and the rows the "
-                 "question needs must run exactly (paper §2.4). The probe picks them: `ridgefill-gguf serve "
-                 "MODEL --maps MAPS --select probe` (or a request's \"ridgefill_select\": \"probe\").")
-    else:
-        echo("\nRidgeFill did not run on this prompt (see the server log)")
+    echo(f"{'':22}" + "".join(f"| {k:26}" for k in names))
+    for label, *values in rows:
+        echo(f"{label:22}" + "".join(f"| {textwrap.shorten(str(v), 24):26}" for v in values))
+    for name in names[1:]:
+        st = arms[name]["ridgefill"] or {}
+        if not st or "refused" in st:
+            echo(f"\n{name} did not run on this prompt (see the server log)")
+            continue
+        echo(f"\n{name}: split {st['split']}, {st['filled']} rows filled, {st['exact']} exact "
+             f"({st['special']} special tokens, {st['selected']} chosen by the selector), tail {st['tail']}; "
+             f"sweep one {st['early_ms'] / 1000:.1f} s, fill {st['fill_ms'] / 1000:.1f} s, "
+             f"probe {st['probe_ms'] / 1000:.1f} s, exact rows {st['exact_ms'] / 1000:.1f} s")
     return {"model": model.name, "maps": str(maps), "arms": arms}

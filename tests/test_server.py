@@ -77,7 +77,8 @@ def test_the_exact_row_selector_is_set_per_server_and_per_request(model_and_maps
                                  ridgefill_exact_share=0.05)["timings"]["ridgefill"]
         plain = srv.complete(PROMPT, n_predict=2, ridgefill_select="none")["timings"]["ridgefill"]
         again = srv.complete(PROMPT, n_predict=2)["timings"]["ridgefill"]  # the server's setting comes back
-        with pytest.raises(ServerError, match="ridgefill_select must be none, probe, attention, protected or random"):
+        with pytest.raises(ServerError, match="ridgefill_select must be none, probe, attention, protected, random, "
+                                              "blind-probe or blind-attention"):
             srv.complete(PROMPT, n_predict=2, ridgefill_select="magic")
     prefix = probe["filled"] + probe["exact"]
     assert probe["select"] == "probe" and probe["selected"] == round(0.2 * prefix) and probe["probe_ms"] > 0
@@ -96,10 +97,14 @@ def test_the_probe_counts_its_rows_by_the_budget_and_random_rows_match_that_coun
         probe = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2)["timings"]["ridgefill"]
         half = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2, ridgefill_budget=0.5)["timings"]["ridgefill"]
         rand = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2, ridgefill_select="random")["timings"]["ridgefill"]
+        blind = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2,
+                             ridgefill_select="blind-probe")["timings"]["ridgefill"]
     rules = probe["budget_rules"]
     assert probe["budget"] > 0 and rules["protected"] == 0 and rules["digits"] > 0  # no frequency table here
     assert probe["selected"] == probe["budget"] and abs(half["budget"] - probe["budget"] / 2) <= 0.5
     assert rand["select"] == "random" and rand["selected"] == rand["budget"] == probe["budget"]
+    # the question-blind control counts the same budget; its probe reads the prefix's last rows
+    assert blind["select"] == "blind-probe" and blind["budget"] == probe["budget"] and blind["probe_ms"] > 0
 
 
 def test_the_protected_selector_without_a_frequency_table_is_refused_by_name_and_the_request_runs_stock(
