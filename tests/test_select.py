@@ -168,3 +168,22 @@ def test_the_engines_rules_select_the_same_rows_as_the_python_rules_on_a_real_to
     want = "fluffy-mango is: 7731." if arch == "llama" else "parse_config(path_name)"
     assert want in r["lexical"]["text"]
     assert len(r["protected"]["engine"]) < len(r["protected-half"]["engine"])
+
+
+def test_the_unigrams_command_adds_the_calibration_texts_counts_to_maps_fitted_without_them(models_with_freq,
+                                                                                           tmp_path):
+    require_builds("ridgefill")
+    model, maps, _ = models_with_freq["qwen2"]
+    plain = tmp_path / "plain.gguf"
+    plain.write_bytes((maps.parent / "qwen2.maps.gguf").read_bytes())
+    assert read_token_freq(plain) is None
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    (calib / "a.txt").write_text("The heron stood still. " * 20)
+    (calib / "b.txt").write_text("def f(x): return x + 1\n" * 10)
+    proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.cli", "unigrams", str(plain), "--model", str(model),
+                           "--calib", str(calib)], cwd=ROOT, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    n_tokens = int(re.search(r"2 documents, (\d+) tokens", proc.stdout).group(1))
+    freq = read_token_freq(plain)
+    assert freq is not None and int(freq.sum()) - freq.size == n_tokens > 100 and freq.min() == 1

@@ -17,7 +17,9 @@ class MergeError(ValueError):
     pass
 
 
-def merge(parts: list[str | Path], out: str | Path, force: bool = False) -> Path:
+def merge(parts: list[str | Path], out: str | Path, force: bool = False,
+          token_freq: np.ndarray | None = None) -> Path:
+    """token_freq: a token frequency table to write instead of the parts' own (one part: add a table)."""
     files = [fmt.read_maps(p) for p in parts]
     metas = [fmt.maps_meta(g) for g in files]
     for p, g in zip(parts, files):
@@ -52,8 +54,9 @@ def merge(parts: list[str | Path], out: str | Path, force: bool = False) -> Path
     # the token frequency table belongs to the calibration text, which every part read
     tables = [np.asarray(g.raw(fmt.TOKEN_FREQ)).view(np.float32) if fmt.TOKEN_FREQ in g.tensors else None
               for g in files]
-    token_freq = tables[0]
-    if any((t is None) != (token_freq is None) or (t is not None and not np.array_equal(t, token_freq))
-           for t in tables):
-        raise MergeError(f"the parts disagree on {fmt.TOKEN_FREQ} (fitted on different calibration text?)")
+    if token_freq is None:
+        token_freq = tables[0]
+        if any((t is None) != (token_freq is None) or (t is not None and not np.array_equal(t, token_freq))
+               for t in tables):
+            raise MergeError(f"the parts disagree on {fmt.TOKEN_FREQ} (fitted on different calibration text?)")
     return fmt.write_maps(out, meta, plans, produce, token_freq=token_freq, force=force)

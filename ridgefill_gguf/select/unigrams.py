@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..maps import format as fmt
-from ..maps.merge import _RAW_DTYPE
+from ..maps.merge import MergeError, merge
 
 
 def add_one_counts(token_lists: Iterable[list[int]], n_vocab: int) -> np.ndarray:
@@ -26,25 +26,10 @@ def count_documents(tokenize: Callable[[str], list[int]], texts: Iterable[str], 
 
 def with_token_freq(maps_path: str | Path, token_freq: np.ndarray, out: str | Path | None = None) -> Path:
     """Write the maps file again with the table (in place when out is None; through a temporary file)."""
-    maps_path = Path(maps_path)
-    g = fmt.read_maps(maps_path)
-    problems = fmt.check_maps(g)
-    if not problems.ok:
-        raise ValueError(f"{maps_path}: " + "; ".join(problems.errors))
-    meta = fmt.maps_meta(g)
-    plans = []
-    for layer in meta.layers:
-        w = g.tensors[fmt.weight_name(layer)]
-        plans.append(fmt.LayerPlan(layer, int(w.ne[0]), int(w.ne[1]), w.type))
-
-    def produce(plan: fmt.LayerPlan) -> fmt.LayerMap:
-        raw = np.asarray(g.raw(fmt.weight_name(plan.layer))).view(_RAW_DTYPE[plan.weight_type])
-        bias = np.asarray(g.raw(fmt.bias_name(plan.layer))).view(np.float32)
-        return fmt.LayerMap(plan.layer, raw.reshape(plan.d_out, -1).copy(), plan.weight_type, plan.d_in, bias.copy())
-
-    target = Path(out) if out else maps_path
-    return fmt.write_maps(target, meta, plans, produce, token_freq=np.asarray(token_freq, dtype=np.float32),
-                          force=True)
+    try:
+        return merge([maps_path], out or maps_path, force=True, token_freq=np.asarray(token_freq, np.float32))
+    except MergeError as e:
+        raise ValueError(str(e)) from e
 
 
 def read_token_freq(maps_path: str | Path) -> np.ndarray | None:
