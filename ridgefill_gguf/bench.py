@@ -168,14 +168,16 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                 by_n = prompts(srv)
                 # a warm-up pair per server start; its stock request comes before RidgeFill's buffers exist
                 _, stock_peak = timed(mem, lambda: srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=False))
-                srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=True)
+                # plain RidgeFill (no exact prefix rows) is the speed arm; selectors are timed beside it
+                srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=True, ridgefill_select="none")
                 for n in lengths:
                     exact_ms, rf_ms, stats, peaks = [], [], [], {"exact": [], "ridgefill": []}
                     for i in range(repeats):
                         r, m = timed(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=False))
                         exact_ms.append(r["timings"]["prompt_ms"])
                         peaks["exact"].append(m)
-                        r, m = timed(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=True))
+                        r, m = timed(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=True,
+                                                               ridgefill_select="none"))
                         t = r["timings"]
                         if "ridgefill" not in t:
                             raise RuntimeError(f"{n} tokens: the server did not use RidgeFill (see {srv.log_path})")

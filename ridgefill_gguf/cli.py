@@ -364,7 +364,7 @@ def corpus(folder: Path | None) -> None:
 @click.option("--fill", type=click.Choice(["ridge", "identity", "none"]), default="ridge", show_default=True)
 @click.option("--min-prefix", type=int, default=None, help="shorter prefixes run stock (engine default 256)")
 @click.option("--select", type=click.Choice(["none", "probe", "attention", "protected", "random", "blind-probe",
-                                            "blind-attention"]), default="none",
+                                            "blind-attention"]), default="probe",
               show_default=True, help="prefix rows that run exactly besides the tail (docs/engine.md)")
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
               "exact (default: the selector's own; the probe and random count by the budget)")
