@@ -129,7 +129,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
     text = text or default_text(6 * n_max)
-    rows, off_rows, commands, sel_rows, lines = [], [], {}, [], []
+    rows, off_rows, commands, sel_rows, lines, builds = [], [], {}, [], [], {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hw = hardware()
@@ -141,7 +141,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                   "hardware": hw, "model": str(model), "maps": str(maps), "split": split, "tail": tail,
                   "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS},
                   "server_commands": commands, "partial": partial, "rows": rows, "off_vs_upstream": off_rows,
-                  "selectors": sel_rows, "exact_rows_line": lines}
+                  "selectors": sel_rows, "exact_rows_line": lines, "build": {**build_identity(), "servers": builds}}
         stem = f"{result['date']}-{label or Path(model).stem}"
         write_atomic(out_dir / f"{stem}.json", json.dumps(result, indent=2) + "\n")
         write_atomic(out_dir / f"{stem}.md", markdown(result))
@@ -165,6 +165,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
             with Server(model, maps, tail=tail, placement=placement, min_prefix=min_prefix,
                         log_path=out_dir / f"server-{placement}.log", **common) as srv:
                 commands[placement] = " ".join(srv.command)
+                builds[placement] = srv.get("/props").get("build_info")
                 by_n = prompts(srv)
                 # a warm-up pair per server start; its stock request comes before RidgeFill's buffers exist
                 _, stock_peak = timed(mem, lambda: srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=False))
@@ -216,6 +217,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
             with Server(model, build="upstream", log_path=out_dir / "server-upstream.log", **common) as up, \
                     Server(model, maps, tail=tail, log_path=out_dir / "server-off.log", **common) as off:
                 commands["upstream"], commands["attached_off"] = " ".join(up.command), " ".join(off.command)
+                builds["upstream"] = up.get("/props").get("build_info")
                 by_n = prompts(up)
                 up.complete(by_n[lengths[0]], n_predict=1)
                 off.complete(by_n[lengths[0]], n_predict=1, ridgefill=False)
@@ -235,6 +237,22 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                      "off_over_upstream": statistics.median(off_ms) / statistics.median(up_ms)})
                     save(partial=True)
     return save(partial=False)
+
+
+def build_identity() -> dict:
+    """Which code ran: this checkout's commit and the patch series applied to llama.cpp."""
+    import hashlib
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    series = sorted((root / "patches").glob("*.patch"))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=30).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"commit": commit, "patches": len(series),
+            "patch_series_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in series)).hexdigest()[:16]}
 
 
 def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, base: dict, placement: str,

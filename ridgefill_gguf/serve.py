@@ -114,6 +114,10 @@ class Server:
         except urllib.error.HTTPError as e:
             raise ServerError(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from e
 
+    def get(self, path: str, timeout: float = 60) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.load(r)
+
     def complete(self, prompt: str | list[int], n_predict: int = 32, ridgefill: bool | None = None,
                  **extra) -> dict:
         """/completion, greedy, without the prompt cache (so every request prefills its whole prompt)."""

@@ -41,6 +41,8 @@ def test_a_bench_run_writes_json_markdown_and_a_plot(tmp_path):
     row = data["rows"][0]
     assert row["rows"]["filled"] + row["rows"]["exact"] + row["rows"]["tail"] == 300
     assert row["speedup"] > 0 and row["ceiling_macs"] > 1
+    assert data["build"]["patches"] >= 1 and len(data["build"]["patch_series_sha256"]) == 16
+    assert data["build"]["servers"]["resident"]  # the server's own build_info
     assert "| resident | 600 |" in (tmp_path / "out" / f"{r['date']}-tiny.md").read_text()
     assert (tmp_path / "out" / f"{r['date']}-tiny.png").stat().st_size > 1000
 
