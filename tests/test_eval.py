@@ -259,5 +259,5 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
     study = run_report(tmp_path / "study", tmp_path / "report")
     assert set(study) == {"qwen.gguf"} and len(study["qwen.gguf"]["nll"]) == 2
     md = (tmp_path / "report" / "study.md").read_text()
-    assert "| 9 | 1024 | 4 | ridge |" in md and "| 12 | 1024 | 3 (3) | 100.0 | 33.3 |" in md
+    assert "| 9 | 1024 | 4 | ridge |" in md and "| 12 | 1024 | 3 (3) | 100.0 | ridge | 33.3 |" in md
     assert (tmp_path / "report" / "study-qwen.png").stat().st_size > 1000

@@ -43,17 +43,18 @@ def markdown(study: dict) -> str:
     for model, runs in study.items():
         lines += [f"## {model}", ""]
         if runs["needles"]:
+            # a row per run and arm: selector runs list their own arms
             lines += ["Retrieval (needles), filled-region samples: accuracy % and Δ vs exact (paired, 95% interval):",
-                      "", "| split | tail | samples (filled) | exact | ridge | ridge Δ | identity | identity Δ | none | "
-                      "none Δ |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "", "| split | tail | samples (filled) | exact | arm | arm, filled | Δ vs exact |",
+                      "|---|---|---|---|---|---|---|"]
             for x in sorted(runs["needles"], key=lambda x: (x["tail"], x["split"])):
                 g = x["groups"]["all tasks"]
-                cells = [str(x["split"]), str(x["tail"]), f"{g['samples']} ({g['filled_samples']})",
-                         _pct(g["arms"]["exact"]["accuracy_filled"])]
-                for arm in ("ridge", "identity", "none"):
-                    a = g["arms"].get(arm)
-                    cells += [_pct(a["accuracy_filled"]), _ci(a["delta_filled"], 100, 1)] if a else ["n/a", "n/a"]
-                lines.append("| " + " | ".join(cells) + " |")
+                head = [str(x["split"]), str(x["tail"]), f"{g['samples']} ({g['filled_samples']})",
+                        _pct(g["arms"]["exact"]["accuracy_filled"])]
+                for arm, a in g["arms"].items():
+                    if arm != "exact":
+                        lines.append("| " + " | ".join(head + [arm, _pct(a["accuracy_filled"]),
+                                                                _ci(a["delta_filled"], 100, 1)]) + " |")
             lines.append("")
         # the document instruments: a row per run and arm
         doc_tables = (("nll", "ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):",
@@ -92,7 +93,9 @@ def plot(model: str, runs: dict, path: Path) -> None:
         for x in runs[kind]:
             if kind == "needles":
                 for arm, a in x["groups"]["all tasks"]["arms"].items():
-                    if a["accuracy_filled"] is not None:
+                    # one point per arm, tail and split (a selector run repeats exact and ridge)
+                    if a["accuracy_filled"] is not None and \
+                            x["split"] not in {p[0] for p in series[(arm, x["tail"])]}:
                         series[(arm, x["tail"])].append((x["split"], 100 * a["accuracy_filled"], None, None))
             else:
                 for arm, s in x["summary"].items():
