@@ -259,6 +259,7 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
                   n: int, log: Callable[[str], None]) -> dict:
     """RidgeFill with one exact-row selector, against the same length's exact and plain RidgeFill medians."""
     ms, stats = [], []
+    srv.complete(prompt, n_predict=1, ridgefill=True, ridgefill_select=selector)  # warm-up: its buffers
     for i in range(repeats):
         t = srv.complete(prompt, n_predict=1, ridgefill=True, ridgefill_select=selector)["timings"]
         if "ridgefill" not in t or "refused" in t["ridgefill"]:

@@ -323,7 +323,10 @@ def rules(model: Path, maps: Path | None, prompt: str | None, prompt_file: Path 
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write here instead of replacing MAPS")
 def unigrams(maps: Path, model: Path, calib, max_doc_tokens: int, out: Path | None) -> None:
-    """Add the protected selectors' token frequency table (rf_token_freq) to a maps file fitted without one."""
+    """Add the protected selectors' token frequency table (rf_token_freq) to a maps file fitted without one.
+
+    Every document given is counted (fit counts the documents it captured: give the same text, and the same
+    --max-doc-tokens, for the same table)."""
     from .fit.capture import iter_documents
     from .libs import use_build
     from .select.unigrams import count_documents, with_token_freq

@@ -415,7 +415,7 @@ def test_the_budgeted_probe_counts_e_from_the_base_rules_keeps_lexical_rows_and_
     candidates = sorted(set(range(prefix)) - special, key=lambda r: (-attn[r], r))
     attention = set(candidates[:half_up(0.2 * prefix)])
     e = min(half_up(factor * len(protected | digits | attention)), prefix - len(special))
-    lexical = set(rules.lexical_rows(pieces, breaks, prefix)) - special
+    lexical = set([r for r in rules.lexical_rows(pieces, breaks, prefix) if r not in special][:e])
     assert lexical and digits, "the prompt should exercise every rule"
     print(f"{arch}: prefix {prefix}, E {e} (protected {len(protected)}, digits {len(digits)}, attention "
           f"{len(attention)}), lexical {len(lexical)}")
@@ -429,17 +429,32 @@ def test_the_budgeted_probe_counts_e_from_the_base_rules_keeps_lexical_rows_and_
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-5
 
 
-def test_the_protected_selector_keeps_the_rarest_quarter_of_the_protected_class_tokens(deep_tiny, tmp_path):
+@pytest.mark.parametrize("share", [0.25, 0.1])
+def test_the_protected_selector_keeps_the_rarest_share_of_the_protected_class_tokens(share, deep_tiny, tmp_path):
     require_builds("ridgefill")
     from ridgefill_gguf.select import rules
 
     tokens, pieces, breaks, freq, logits, st, ref, mats = run_rules_arm("llama", deep_tiny, tmp_path,
-                                                                        {"protected": 0.25})
+                                                                        {"protected": share})
     prompt, prefix = tokens[:-1], len(tokens) - SELECTOR_TAIL
-    chosen = set(rules.protected_rows(pieces[:len(prompt)], breaks[:len(prompt)], prompt, prefix, freq, 0.25)) - {0}
+    chosen = set(rules.protected_rows(pieces[:len(prompt)], breaks[:len(prompt)], prompt, prefix, freq, share)) - {0}
     assert chosen and st["exact_rows"] == sorted({0} | chosen) and st["n_protected"] == len(chosen)
     expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, chosen)[-1]
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-5
+
+
+def test_the_question_blind_budget_reads_its_lexical_window_at_the_prefixs_end(deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.select import rules
+
+    params = {"probe_budget": [16, 1.0], "attention": [24, 0.0, [0]]}
+    tokens, pieces, breaks, *_, probe_st, _, _ = run_rules_arm("llama", deep_tiny, tmp_path / "p", params)
+    *_, blind_st, _, _ = run_rules_arm("llama", deep_tiny, tmp_path / "b", {**params, "blind": True})
+    prefix = len(tokens) - SELECTOR_TAIL
+    # the question sits in the tail: seen through the prompt's end, hidden from a window that ends with the prefix
+    blind_lexical = [r for r in rules.lexical_rows(pieces[:prefix], breaks[:prefix], prefix) if r != 0]
+    assert probe_st["n_lexical"] > 0 and blind_st["n_lexical"] == min(len(blind_lexical), blind_st["n_budget"])
+    assert blind_st["n_lexical"] < probe_st["n_lexical"]
 
 
 def test_the_random_control_keeps_as_many_random_rows_as_the_budget_counts(deep_tiny, tmp_path):

@@ -147,17 +147,21 @@ PROMPTS = {
     "qwen2": ("<|im_start|>user\n" + FILLER + "def parse_config(path_name): return load_yaml(path_name) # v2.1\n" +
               FILLER + "Where is parse_config(path_name) defined, and what does it return?<|im_end|>\n"
               "<|im_start|>assistant\n"),
+    # a word ending in s right before a special token, C0 separators, accented capitals
+    "edge": ("<|im_start|>user\n" + FILLER + "Our fluffy mango secret passwords.\x1c École Élan Ürün café's "
+             "naïve\x1d items 10.5% off. " + FILLER + "Tell me the fluffy mango secret passwords<|im_end|>\n"
+             "<|im_start|>assistant\n"),
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_engines_rules_select_the_same_rows_as_the_python_rules_on_a_real_tokenizer(arch, models_with_freq,
-                                                                                          tmp_path):
+@pytest.mark.parametrize("arch,prompt", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen2", "edge")])
+def test_the_engines_rules_select_the_same_rows_as_the_python_rules_on_a_real_tokenizer(arch, prompt,
+                                                                                          models_with_freq, tmp_path):
     require_builds("ridgefill")
     model, maps, freq = models_with_freq[arch]
     assert np.array_equal(read_token_freq(maps), freq)
     proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.cli", "rules", str(model), "--maps", str(maps),
-                           "--prompt", PROMPTS[arch], "--tail", "40", "--json"], cwd=ROOT, text=True,
+                           "--prompt", PROMPTS[prompt], "--tail", "40", "--json"], cwd=ROOT, text=True,
                           capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,7 +169,8 @@ def test_the_engines_rules_select_the_same_rows_as_the_python_rules_on_a_real_to
     assert set(r) == {"digits", "lexical", "protected", "protected-half"}
     assert all(v["engine"] == v["python"] for v in r.values())
     assert r["digits"]["engine"] and r["protected"]["engine"] and r["lexical"]["engine"]
-    want = "fluffy-mango is: 7731." if arch == "llama" else "parse_config(path_name)"
+    want = {"llama": "fluffy-mango is: 7731.", "qwen2": "parse_config(path_name)",
+            "edge": "Our fluffy mango secret passwords."}[prompt]
     assert want in r["lexical"]["text"]
     assert len(r["protected"]["engine"]) < len(r["protected-half"]["engine"])
 

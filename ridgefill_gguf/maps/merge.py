@@ -55,8 +55,9 @@ def merge(parts: list[str | Path], out: str | Path, force: bool = False,
     tables = [np.asarray(g.raw(fmt.TOKEN_FREQ)).view(np.float32) if fmt.TOKEN_FREQ in g.tensors else None
               for g in files]
     if token_freq is None:
-        token_freq = tables[0]
-        if any((t is None) != (token_freq is None) or (t is not None and not np.array_equal(t, token_freq))
-               for t in tables):
+        # kept when every part has the same table, dropped when one has none, refused when two differ
+        present = [t for t in tables if t is not None]
+        if any(not np.array_equal(t, present[0]) for t in present):
             raise MergeError(f"the parts disagree on {fmt.TOKEN_FREQ} (fitted on different calibration text?)")
+        token_freq = present[0] if present and len(present) == len(tables) else None
     return fmt.write_maps(out, meta, plans, produce, token_freq=token_freq, force=force)

@@ -17,6 +17,10 @@ unused: such tokens carry no words and end a sentence).
   the prefix; at most its first 80 rows, and 5% of the prefix in all, in prompt order. Content tokens exclude break
   tokens and a chat template's role header (the rows after a break token up to and including the first piece with a
   line break, or up to the next break token, within 4 rows).
+
+Where the twins can differ: letter, number and uppercase tests come from Python's unicodedata here and from llama.cpp's
+own tables (a newer Unicode version, and an uppercase set without some capitals such as U+0130) in the engine. On
+ASCII and common accented Latin text they agree (tested); `ridgefill-gguf rules` reports any prompt where they do not.
 """
 from __future__ import annotations
 
@@ -30,6 +34,9 @@ CAP_START, CAP_PIECE, LOWER_START, LOWER_PIECE, NUMBER, DIGIT_PUNCT, PUNCT, MIXE
 PROTECTED_CLASSES = (CAP_START, CAP_PIECE, LOWER_PIECE, MIXED)
 DIGIT_CLASSES = (NUMBER, DIGIT_PUNCT)
 REPLACEMENT = 0xFFFD
+# llama.cpp's whitespace set (unicode_set_whitespace), which Python's isspace() does not match (it adds U+001C-U+001F)
+WHITESPACE = frozenset((0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028,
+                        0x2029, 0x202F, 0x205F, 0x3000))
 
 
 def next_cpt(data: bytes, i: int) -> tuple[int, int]:
@@ -63,7 +70,12 @@ def is_word_cpt(cpt: int) -> bool:
 
 
 def _is_space(cpt: int) -> bool:
-    return chr(cpt).isspace()
+    return cpt in WHITESPACE
+
+
+def share_of(share: float, n: int) -> int:
+    """ceil(share x n), with the share rounded to 1e-6 as the engine does (it receives shares as floats)."""
+    return min(n, math.ceil(round(share * 1e6) / 1e6 * n - 1e-9))
 
 
 def classify(piece: bytes) -> str:
@@ -103,7 +115,7 @@ def protected_rows(pieces: Sequence[bytes], breaks: Sequence[bool], tokens: Sequ
         return counts[tokens[r]] if 0 <= tokens[r] < len(counts) else 0
 
     eligible.sort(key=count)  # stable: ties keep the earlier row first
-    keep = min(len(eligible), math.ceil(share * len(eligible) - 1e-9))
+    keep = share_of(share, len(eligible))
     return sorted(eligible[:keep])
 
 

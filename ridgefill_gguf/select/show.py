@@ -19,8 +19,8 @@ def compare_rules(model: Path, maps: Path | None, text: str, tail: int) -> dict:
 
     llama_cpp = use_build()
     llm = llama_cpp.Llama(model_path=str(model), n_ctx=256, n_batch=32, verbose=False)
+    loaded = None
     try:
-        loaded = None
         freq = None
         if maps:
             try:
@@ -29,7 +29,9 @@ def compare_rules(model: Path, maps: Path | None, text: str, tail: int) -> dict:
                 raise RulesError(str(e)) from e
             freq = read_token_freq(maps)
         tokens = llm.tokenize(text.encode(), add_bos=True, special=True)
-        n_prefix = max(len(tokens) - tail, 0)
+        n_prefix = len(tokens) - tail
+        if n_prefix <= 0:
+            raise RulesError(f"the prompt has {len(tokens)} tokens, no more than the tail ({tail}): no prefix")
         pieces, breaks = prompt_pieces(llama_cpp, llm.model, tokens)
         twins = {"digits": lambda: rules.digit_rows(pieces, breaks, n_prefix),
                  "lexical": lambda: rules.lexical_rows(pieces, breaks, n_prefix)}
@@ -43,8 +45,8 @@ def compare_rules(model: Path, maps: Path | None, text: str, tail: int) -> dict:
             if rule == "lexical":
                 entry["text"] = b"".join(pieces[r] for r in engine).decode(errors="replace")
             report["rules"][rule] = entry
-        if loaded:
-            loaded.free()
         return report
     finally:
+        if loaded:
+            loaded.free()
         llm.close()
