@@ -393,15 +393,16 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, b
                  host=host, port=port, threads=threads, n_gpu_layers=n_gpu_layers, extra=tuple(extra),
                  log_path=log_path)
     click.echo(f"starting: {' '.join(srv.command)}")
-    try:
-        srv.start()
-    except ServerError as e:
-        raise click.ClickException(str(e)) from e
-    # a SIGTERM to this process stops the server too (Python's default would leave it running)
+    # a SIGTERM to this process stops the server too (Python's default would leave it running); the handler is in
+    # place, and the try entered, before the server starts, so no signal can leave it orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    click.echo(f"llama-server listening on {srv.url} " +
-               (f"(RidgeFill maps {maps}, {placement}, fill {fill})" if maps else "(no maps: stock prefill)"))
     try:
+        try:
+            srv.start()
+        except ServerError as e:
+            raise click.ClickException(str(e)) from e
+        click.echo(f"llama-server listening on {srv.url} " +
+                   (f"(RidgeFill maps {maps}, {placement}, fill {fill})" if maps else "(no maps: stock prefill)"))
         srv.proc.wait()
     except KeyboardInterrupt:
         click.echo("stopping")

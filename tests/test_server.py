@@ -189,6 +189,22 @@ def test_ridgefill_gguf_serve_prints_where_it_listens(model_and_maps):
         time.sleep(0.5)
 
 
+def test_stopping_serve_while_the_server_starts_leaves_no_server_behind(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, _ = model_and_maps
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ridgefill_gguf.cli", "serve", str(model), "--maps", str(maps),
+                             "--port", str(port), "-t", "2"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    assert proc.stdout.readline().startswith("starting: ")
+    proc.terminate()  # while llama-server loads
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], stdout=subprocess.PIPE).returncode != 1:
+        assert time.monotonic() < deadline, "llama-server outlived `ridgefill-gguf serve`"
+        time.sleep(0.5)
+
+
 def test_llama_cli_takes_the_same_ridgefill_flags():
     require_builds("ridgefill")
     out = subprocess.run([str(ROOT / "build" / "ridgefill" / "bin" / "llama-cli"), "--help"], text=True,
