@@ -235,6 +235,8 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
                     log(f"eval needles: sample {len(samples)}/{total} ({task}, {sample.n_tokens} tokens, needles at "
                         f"rows {[r[0] for r in sample.needle_rows]}): " + ", ".join(marks) +
                         f"; {rate:.1f} s per answer")
+                    # the samples so far, so that a run stopped by a timeout can still be summarized
+                    write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in samples))
     finally:
         sess.close()
 
