@@ -161,13 +161,25 @@ def test_a_bad_flag_value_stops_the_server_with_the_reason(model_and_maps):
     assert "--ridgefill-fill must be ridge, identity or none, not sometimes" in (d / "flag.log").read_text()
 
 
+def start_serve(model, maps, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ridgefill_gguf.cli", "serve", str(model), "--maps", str(maps),
+                             "--port", str(port), "-t", "2"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def assert_no_server_left_on(port: int) -> None:
+    """The server went with `serve` (a loaded machine may take a few seconds to reap it)."""
+    deadline = time.monotonic() + 20
+    while subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], stdout=subprocess.PIPE).returncode != 1:
+        assert time.monotonic() < deadline, "llama-server outlived `ridgefill-gguf serve`"
+        time.sleep(0.5)
+
+
 def test_ridgefill_gguf_serve_prints_where_it_listens(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, _ = model_and_maps
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ridgefill_gguf.cli", "serve", str(model), "--maps", str(maps),
-                             "--port", str(port), "-t", "2"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = start_serve(model, maps, port)
     try:
         deadline, lines = time.monotonic() + 120, []
         while time.monotonic() < deadline:
@@ -182,27 +194,18 @@ def test_ridgefill_gguf_serve_prints_where_it_listens(model_and_maps):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    # the server went with it (a loaded machine may take a few seconds to reap it)
-    deadline = time.monotonic() + 20
-    while subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], stdout=subprocess.PIPE).returncode != 1:
-        assert time.monotonic() < deadline, "llama-server outlived `ridgefill-gguf serve`"
-        time.sleep(0.5)
+    assert_no_server_left_on(port)
 
 
 def test_stopping_serve_while_the_server_starts_leaves_no_server_behind(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, _ = model_and_maps
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ridgefill_gguf.cli", "serve", str(model), "--maps", str(maps),
-                             "--port", str(port), "-t", "2"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = start_serve(model, maps, port)
     assert proc.stdout.readline().startswith("starting: ")
     proc.terminate()  # while llama-server loads
     proc.wait(timeout=60)
-    deadline = time.monotonic() + 20
-    while subprocess.run(["pgrep", "-f", f"llama-server.*--port {port}"], stdout=subprocess.PIPE).returncode != 1:
-        assert time.monotonic() < deadline, "llama-server outlived `ridgefill-gguf serve`"
-        time.sleep(0.5)
+    assert_no_server_left_on(port)
 
 
 def test_llama_cli_takes_the_same_ridgefill_flags():
