@@ -392,18 +392,29 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, b
                  exact_share=exact_share, budget=budget, n_ctx=n_ctx,
                  host=host, port=port, threads=threads, n_gpu_layers=n_gpu_layers, extra=tuple(extra),
                  log_path=log_path)
+    # a SIGTERM to this process stops the server too (Python's default would leave it running). The handler
+    # raises nothing: an exception inside Popen could lose the child it just made. It stops a running server and
+    # leaves a note for the code below, whatever moment it comes at.
+    stop_requested = []
+
+    def on_sigterm(*_):
+        stop_requested.append(True)
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.proc.terminate()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     click.echo(f"starting: {' '.join(srv.command)}")
-    # a SIGTERM to this process stops the server too (Python's default would leave it running); the handler is in
-    # place, and the try entered, before the server starts, so no signal can leave it orphaned
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         try:
             srv.start()
         except ServerError as e:
+            if stop_requested:
+                return
             raise click.ClickException(str(e)) from e
-        click.echo(f"llama-server listening on {srv.url} " +
-                   (f"(RidgeFill maps {maps}, {placement}, fill {fill})" if maps else "(no maps: stock prefill)"))
-        srv.proc.wait()
+        if not stop_requested:
+            click.echo(f"llama-server listening on {srv.url} " +
+                       (f"(RidgeFill maps {maps}, {placement}, fill {fill})" if maps else "(no maps: stock prefill)"))
+            srv.proc.wait()
     except KeyboardInterrupt:
         click.echo("stopping")
     finally:
