@@ -9,6 +9,7 @@ multiply-accumulates that remains (maps, filled rows' K/V projections, exact row
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import shutil
 import statistics
@@ -241,9 +242,6 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
 
 def build_identity() -> dict:
     """Which code ran: this checkout's commit and the patch series applied to llama.cpp."""
-    import hashlib
-    import subprocess
-
     root = Path(__file__).resolve().parent.parent
     series = sorted((root / "patches").glob("*.patch"))
     try:
@@ -255,17 +253,23 @@ def build_identity() -> dict:
             "patch_series_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in series)).hexdigest()[:16]}
 
 
+def ridgefill_requests(srv: Server, prompt: list[int], repeats: int, **request) -> tuple[list[float], list[dict]]:
+    """prompt_ms and timings.ridgefill of `repeats` RidgeFill requests; a request RidgeFill did not serve raises."""
+    ms, stats = [], []
+    for _ in range(repeats):
+        t = srv.complete(prompt, n_predict=1, ridgefill=True, **request)["timings"]
+        if "ridgefill" not in t or "refused" in t["ridgefill"]:
+            raise RuntimeError(f"{len(prompt)} tokens, {request}: RidgeFill did not run: {t.get('ridgefill')}")
+        ms.append(t["prompt_ms"])
+        stats.append(t["ridgefill"])
+    return ms, stats
+
+
 def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, base: dict, placement: str,
                   n: int, log: Callable[[str], None]) -> dict:
     """RidgeFill with one exact-row selector, against the same length's exact and plain RidgeFill medians."""
-    ms, stats = [], []
-    srv.complete(prompt, n_predict=1, ridgefill=True, ridgefill_select=selector)  # warm-up: its buffers
-    for i in range(repeats):
-        t = srv.complete(prompt, n_predict=1, ridgefill=True, ridgefill_select=selector)["timings"]
-        if "ridgefill" not in t or "refused" in t["ridgefill"]:
-            raise RuntimeError(f"{n} tokens: selector {selector} did not run: {t.get('ridgefill')}")
-        ms.append(t["prompt_ms"])
-        stats.append(t["ridgefill"])
+    ridgefill_requests(srv, prompt, 1, ridgefill_select=selector)  # warm-up: its buffers
+    ms, stats = ridgefill_requests(srv, prompt, repeats, ridgefill_select=selector)
     st, med = stats[-1], statistics.median(ms)
     log(f"bench: {placement} {n} tokens, {selector}: {med:.0f} ms, {st['selected']} rows selected")
     return {"placement": placement, "tokens": n, "selector": selector, "ms": ms, "median_ms": med,
@@ -291,12 +295,7 @@ def time_exact_rows(srv: Server, prompt: list[int], shares: tuple[float, ...], r
     row's time in the late layers (the exact phase with no exact prefix rows, per tail row)."""
     points, exact_phase0, tail = [], None, None
     for share in (0.0, *[x for x in shares if x > 0]):
-        ms, stats = [], []
-        for _ in range(repeats):
-            t = srv.complete(prompt, n_predict=1, ridgefill=True, ridgefill_select="random",
-                             ridgefill_exact_share=share)["timings"]
-            ms.append(t["prompt_ms"])
-            stats.append(t["ridgefill"])
+        ms, stats = ridgefill_requests(srv, prompt, repeats, ridgefill_select="random", ridgefill_exact_share=share)
         e = stats[-1]["exact"] - stats[-1]["special"]
         points.append((e, statistics.median(ms)))
         if share == 0.0:

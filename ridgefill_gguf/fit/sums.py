@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..select.unigrams import token_counts
+
 SUMS_VERSION = 1
 
 
@@ -114,8 +116,7 @@ class CaptureState:
         if self.token_counts is None and not self.done_docs:
             self.token_counts = np.zeros(n_vocab, dtype=np.int64)
         if self.token_counts is not None:
-            ids = np.asarray(tokens, dtype=np.int64)
-            self.token_counts += np.bincount(ids[(ids >= 0) & (ids < n_vocab)], minlength=n_vocab)
+            self.token_counts += token_counts(tokens, n_vocab)
 
     def token_freq(self) -> np.ndarray | None:
         """The add-one unigram counts a maps file carries (tensor rf_token_freq)."""

@@ -11,12 +11,16 @@ from ..maps import format as fmt
 from ..maps.merge import MergeError, merge
 
 
+def token_counts(tokens: list[int], n_vocab: int) -> np.ndarray:
+    """How often each token id occurs (ids outside the vocabulary are not counted)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    return np.bincount(ids[(ids >= 0) & (ids < n_vocab)], minlength=n_vocab)
+
+
 def add_one_counts(token_lists: Iterable[list[int]], n_vocab: int) -> np.ndarray:
-    counts = np.ones(n_vocab, dtype=np.float64)
+    counts = np.ones(n_vocab, dtype=np.int64)
     for tokens in token_lists:
-        ids = np.asarray(tokens, dtype=np.int64)
-        ids = ids[(ids >= 0) & (ids < n_vocab)]
-        counts += np.bincount(ids, minlength=n_vocab)
+        counts += token_counts(tokens, n_vocab)
     return counts.astype(np.float32)
 
 
