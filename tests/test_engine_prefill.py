@@ -120,13 +120,13 @@ def test_the_ridge_arm_matches_an_independent_numpy_computation(arch, deep_tiny,
 SELECTOR_TAIL = 40
 
 
-def run_selector(arch, deep_tiny, tmp_path, params: dict, scores):
+def run_selector(arch, deep_tiny, tmp_path, params: dict, scores, session=TIGHT, tolerance=2e-5):
     """Run one selector on the ridge arm; check that it chose the rows NumPy ranks highest (scores(ref, mats,
     prompt) gives per-row scores and the count) and that the prefill with them matches NumPy. Returns the stats."""
     model, maps = deep_tiny[arch]
     runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "chunk": 48, "min_prefix": 0,
                                        "exact_rows": [], **params}}]
-    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    arrays, stats = run_engine(model, maps, runs, session=session, tmp_path=tmp_path)
     tokens = arrays["tokens"].tolist()
     ref, mats = reference_and_maps(model, maps)
     # the engine prefills all but the last token (which follows through llama_decode and counts as tail)
@@ -137,7 +137,7 @@ def run_selector(arch, deep_tiny, tmp_path, params: dict, scores):
     print(f"{arch}: engine {st['exact_rows']}, numpy {[0] + chosen}; margin {score[ranked[count - 1]] - score[ranked[count]]:.3g}")
     assert st["applied"] == 1 and count > 0 and st["exact_rows"] == [0] + chosen
     expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, set(chosen))[-1]
-    assert np.abs(arrays["sel"] - expected).max() / np.abs(expected).max() < 2e-5
+    assert np.abs(arrays["sel"] - expected).max() / np.abs(expected).max() < tolerance
     return st
 
 
@@ -372,7 +372,7 @@ BUDGET_TEXT = ("The river bends twice before it reaches the old mill by the brid
                "Which locker code opens the blue heron exhibit?")
 
 
-def run_rules_arm(arch, deep_tiny, tmp_path, params: dict):
+def run_rules_arm(arch, deep_tiny, tmp_path, params: dict, session=TIGHT):
     """One ridge prefill of BUDGET_TEXT with maps that carry a token frequency table; returns (the prefill's
     tokens, pieces, breaks, the frequency table, the prefill's logits, its stats, NumPy reference, maps)."""
     from ridgefill_gguf.select.unigrams import with_token_freq
@@ -383,7 +383,7 @@ def run_rules_arm(arch, deep_tiny, tmp_path, params: dict):
     freq_maps = with_token_freq(maps, freq, tmp_path / "freq.maps.gguf")
     runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "chunk": 48, "min_prefix": 0,
                                        "exact_rows": [], **params}}]
-    spec_session = {**TIGHT, "maps": str(freq_maps)}
+    spec_session = {**session, "maps": str(freq_maps)}
     arrays, stats = run_engine(model, freq_maps, runs, session=spec_session, tmp_path=tmp_path, prompt=BUDGET_TEXT,
                                pieces=True)
     tokens = arrays["tokens"].tolist()
@@ -400,11 +400,16 @@ def half_up(x: float) -> int:
 def test_the_budgeted_probe_counts_e_from_the_base_rules_keeps_lexical_rows_and_ranks_the_rest_as_numpy(
         arch, deep_tiny, tmp_path):
     require_builds("ridgefill")
+    check_budgeted_probe(arch, deep_tiny, tmp_path)
+
+
+def check_budgeted_probe(arch, deep_tiny, tmp_path, session=TIGHT, tolerance=2e-5):
+    """The default selector's E, lexical rows and probe ranking equal the Python rules and NumPy."""
     from ridgefill_gguf.select import rules
 
     n_probe, n_query, factor = 16, 24, 1.0
     tokens, pieces, breaks, freq, logits, st, ref, mats = run_rules_arm(
-        arch, deep_tiny, tmp_path, {"probe_budget": [n_probe, factor], "attention": [n_query, 0.0, [0]]})
+        arch, deep_tiny, tmp_path, {"probe_budget": [n_probe, factor], "attention": [n_query, 0.0, [0]]}, session)
     prompt = tokens[:-1]  # the last token follows through llama_decode
     n, prefix = len(prompt), len(tokens) - SELECTOR_TAIL
     pieces, breaks = pieces[:n], breaks[:n]
@@ -426,7 +431,7 @@ def test_the_budgeted_probe_counts_e_from_the_base_rules_keeps_lexical_rows_and_
     chosen = set(ranked[:e - len(lexical)])
     assert st["exact_rows"] == sorted(special | lexical | chosen) and st["n_probe_exact"] == len(chosen)
     expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, lexical | chosen)[-1]
-    assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-5
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < tolerance
 
 
 @pytest.mark.parametrize("share", [0.25, 0.1])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import require_builds
-from ridgefill_gguf.eval.stats import bootstrap_mean
+from ridgefill_gguf.eval.stats import binomial_floor, bootstrap_mean, noninferiority
 from ridgefill_gguf.eval.tokens import key_mask, novel_mask, token_nll
 
 
@@ -32,6 +32,17 @@ def test_the_bootstrap_interval_covers_a_known_mean_and_is_reproducible():
     const = bootstrap_mean([0.25] * 7)
     assert const["lo"] == const["hi"] == const["mean"] == const["median"] == 0.25
     assert bootstrap_mean([])["n"] == 0 and bootstrap_mean([np.nan, 1.0])["n"] == 1
+
+
+def test_the_noninferiority_bound_is_the_binomial_floor_when_the_arms_agree_on_every_sample():
+    assert 100 * binomial_floor(138) == pytest.approx(-2.15, abs=0.005)  # paper §3.4's Qwen3-8B figure
+    agree = noninferiority([0.0] * 61, 0.02)
+    assert agree["bootstrap_bound"] == 0.0 and agree["bound"] == agree["floor"] == pytest.approx(-0.0479, abs=1e-4)
+    assert not agree["holds"]  # 61 samples cannot show a 2-point margin
+    assert noninferiority([0.0] * 200, 0.02)["holds"]
+    worse = noninferiority([-0.1] * 200, 0.02)
+    assert worse["bound"] == pytest.approx(-0.1) and not worse["holds"]
+    assert noninferiority([], 0.02)["n"] == 0 and not noninferiority([], 0.02)["holds"]
 
 
 def test_a_token_inside_an_8_token_run_seen_earlier_is_not_novel():
@@ -243,16 +254,20 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
                 for _ in range(4)]
         out = tmp_path / "study" / f"nll-S{split}"
         out.mkdir(parents=True)
+        (out / "documents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / "summary.json").write_text(json.dumps({
             "instrument": "eval nll", "model": "/m/qwen.gguf", "split": split, "documents": 4,
             "options": {"tail": 1024}, "summary": nll.summarize(rows, nll.ARMS)}))
     samples = [needles.Sample(f"single-4096-{i}", "single", 4096, 4000, ["1"], [[100, 120]], "x") for i in range(3)]
-    answers = [{"sample": s.sample_id, "config": c, "arm": a, "score": float(a == "exact" or i == 0)}
+    # exact answers all, ridge the first sample only, identity none
+    answers = [{"sample": s.sample_id, "config": c, "arm": a, "score": float(a == "exact" or (a == "ridge" and i == 0))}
                for i, s in enumerate(samples) for c, a in
                [("exact", "exact")] + [(f"S{sp}-T1024", arm) for sp in (9, 12) for arm in needles.ARMS]]
     opts = needles.NeedleOptions(tasks=("single",), tails=(1024,))
     out = tmp_path / "study" / "needles"
     out.mkdir()
+    (out / "samples.jsonl").write_text("".join(json.dumps(dataclasses.asdict(x)) + "\n" for x in samples))
+    (out / "results.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     (out / "summary.json").write_text(json.dumps({
         "instrument": "eval needles", "model": "/m/qwen.gguf", "options": {"lengths": [4096]},
         **needles.summarize(samples, answers, {"a": 9, "b": 12}, opts)}))
@@ -261,3 +276,11 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
     md = (tmp_path / "report" / "study.md").read_text()
     assert "| 9 | 1024 | 4 | ridge |" in md and "| 12 | 1024 | 3 (3) | 100.0 | ridge | 33.3 |" in md
     assert (tmp_path / "report" / "study-qwen.png").stat().st_size > 1000
+    # the fitted map paired with the identity fill, per sample and per document
+    needles_9 = next(x for x in study["qwen.gguf"]["needles"] if x["split"] == 9)
+    assert needles_9["pairs"]["ridge - identity"]["accuracy"]["mean"] == pytest.approx(1 / 3)
+    assert needles_9["noninferiority"]["ridge"]["n"] == 3 and not needles_9["noninferiority"]["ridge"]["holds"]
+    nll_12 = next(x for x in study["qwen.gguf"]["nll"] if x["split"] == 12)
+    want = np.mean([r["delta"]["ridge"]["key"] - r["delta"]["identity"]["key"] for r in rows])
+    assert nll_12["pairs"]["ridge - identity"]["key"]["mean"] == pytest.approx(want)
+    assert "| 9 | 1024 | ridge - identity | needles | 3 samples | retrieval +33.3 [" in md

@@ -1,6 +1,7 @@
 """On CUDA, with every layer on the GPU: resident and streamed maps give the same bytes (rung 2), and plumb,
 oracle and a prefill with nothing filled reproduce stock within the exact-vs-exact noise floor (rung 3), and the
-probe keeps the rows a NumPy computation ranks highest."""
+probe, the budgeted probe (the default selector) and the attention selector keep the rows a NumPy computation
+ranks highest."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,8 @@ from conftest import require_cuda_builds
 from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file, write_random_maps
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-from test_engine_prefill import SPLIT, TIGHT, kl, reference_and_maps, run_engine
+from test_engine_prefill import (SELECTOR_TAIL, SPLIT, TIGHT, check_budgeted_probe, deep_tiny, kl, reference_and_maps,  # noqa: F401
+                                 run_engine, run_selector)
 
 pytestmark = pytest.mark.gpu
 
@@ -72,3 +74,24 @@ def test_the_probe_on_cuda_keeps_the_rows_numpy_ranks_highest(tmp_path):
     score = ref.probe_scores(tokens[:-1], SPLIT, tail - 1, n_probe, mats)
     ranked = sorted(range(1, len(tokens) - tail), key=lambda r: -score[r])
     assert stats["probe"]["exact_rows"] == [0] + sorted(ranked[:n_exact])
+
+
+# cuBLAS sums in another order than NumPy: the logits agree to this, the chosen rows exactly
+CUDA_TOLERANCE = 1e-3
+
+
+def test_the_budgeted_probe_on_cuda_counts_e_and_keeps_the_rows_the_rules_and_numpy_choose(deep_tiny, tmp_path):
+    require_cuda_builds("ridgefill")
+    check_budgeted_probe("llama", deep_tiny, tmp_path, {**TIGHT, "n_gpu_layers": -1}, CUDA_TOLERANCE)
+
+
+def test_the_attention_selector_on_cuda_keeps_the_rows_numpy_ranks_highest_below_the_split(deep_tiny, tmp_path):
+    require_cuda_builds("ridgefill")
+    n_query, share = 24, 0.1
+
+    def scores(ref, mats, prompt):
+        prefix = len(prompt) + 1 - SELECTOR_TAIL
+        return ref.attention_scores(prompt, [0], n_query), int(share * prefix + 0.5)
+
+    run_selector("qwen2", deep_tiny, tmp_path, {"attention": [n_query, share, [0]]}, scores,
+                 {**TIGHT, "n_gpu_layers": -1}, CUDA_TOLERANCE)

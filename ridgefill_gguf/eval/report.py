@@ -3,7 +3,9 @@ and across-split plots, for the docs.
 
 It reads every `summary.json` below a folder, groups the runs by model, and writes `study.json`, `study.md` and
 one PNG per model: ΔNLL on novel and key tokens, KL and top-1 agreement, and filled-region retrieval, each
-against the split, one line per arm and tail.
+against the split, one line per arm and tail. Beside the contrasts with exact it pairs arms with each other per
+sample or document (the fitted map against the identity fill, a selector against its count-matched random rows),
+from each run's per-sample files.
 """
 from __future__ import annotations
 
@@ -12,23 +14,86 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..util import save_figure, write_atomic
+from .stats import bootstrap_mean, noninferiority
+
+MARGIN = 0.02  # paper §3.4: non-inferiority to exact on filled-region retrieval, 2 points
+
+# (arm, arm it is paired with): the fitted map against the identity fill at the same split and tail, and the
+# default selector against its count-matched random rows, its identity-fill and question-blind twins and the
+# attention selector
+PAIRS = (("ridge", "identity"), ("ridge+probe", "ridge+random:probe"), ("ridge+probe", "identity+probe"),
+         ("ridge+probe", "ridge+blind-probe"), ("ridge+probe", "ridge+attention"), ("ridge+probe", "ridge"))
 
 
 def collect(root: str | Path) -> dict:
-    """{model name: {"nll": [...], "agreement": [...], "needles": [...]}}, each run's split, tail and summary."""
+    """{model name: {"nll": [...], "agreement": [...], "needles": [...]}}, each run's split, tail, summary and
+    paired arm-against-arm contrasts."""
     runs: dict[str, dict[str, list]] = defaultdict(lambda: {"nll": [], "agreement": [], "needles": []})
     for path in sorted(Path(root).rglob("summary.json")):
         r = json.loads(path.read_text())
         name = Path(r["model"]).name
         kind = r.get("instrument", "").removeprefix("eval ")
         if kind in ("nll", "agreement"):
+            docs = _jsonl(path.parent / "documents.jsonl")
             runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
-                                     "summary": r["summary"], "path": str(path.parent)})
+                                     "summary": r["summary"], "pairs": document_pairs(kind, docs),
+                                     "path": str(path.parent)})
         elif kind == "needles":
-            for c in r["configs"].values():
+            samples = {s["sample_id"]: s for s in _jsonl(path.parent / "samples.jsonl")}
+            answers = _jsonl(path.parent / "results.jsonl")
+            for cfg, c in r["configs"].items():
                 runs[name]["needles"].append({"split": c["split"], "tail": c["tail"], "groups": c["groups"],
+                                              "pairs": needle_pairs(samples, answers, cfg, c["tail"]),
+                                              "noninferiority": needle_noninferiority(samples, answers, cfg,
+                                                                                      c["tail"]),
                                               "lengths": r["options"]["lengths"], "path": str(path.parent)})
     return {k: v for k, v in runs.items()}
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _filled(samples: dict, tail: int) -> list[str]:
+    return [sid for sid, s in samples.items() if all(end <= s["n_tokens"] - tail for _, end in s["needle_rows"])]
+
+
+def needle_noninferiority(samples: dict, answers: list[dict], config: str, tail: int) -> dict:
+    """{arm: paper §3.4's test of arm minus exact at a 2-point margin, over the filled-region samples}."""
+    exact = {r["sample"]: r["score"] for r in answers if r["config"] == "exact"}
+    arms = {r["arm"] for r in answers if r["config"] == config}
+    score = {(r["sample"], r["arm"]): r["score"] for r in answers if r["config"] == config}
+    return {arm: noninferiority([score[(sid, arm)] - exact[sid] for sid in _filled(samples, tail)
+                                 if (sid, arm) in score and sid in exact], MARGIN) for arm in sorted(arms)}
+
+
+def needle_pairs(samples: dict, answers: list[dict], config: str, tail: int) -> dict:
+    """{"a - b": bootstrap of score(a) - score(b) over the filled-region samples both arms answered}."""
+    score = {(r["sample"], r["arm"]): r["score"] for r in answers if r["config"] == config}
+    filled = _filled(samples, tail)
+    out = {}
+    for a, b in PAIRS:
+        diffs = [score[(sid, a)] - score[(sid, b)] for sid in filled if (sid, a) in score and (sid, b) in score]
+        if diffs:
+            out[f"{a} - {b}"] = {"accuracy": bootstrap_mean(diffs)}
+    return out
+
+
+def document_pairs(kind: str, docs: list[dict]) -> dict:
+    """{"a - b": {measure: bootstrap of the per-document difference}} for nll (ΔNLL on all, novel and key tokens)
+    and agreement (KL and top-1)."""
+    out = {}
+    for a, b in PAIRS:
+        if kind == "nll":
+            rows = [d["delta"] for d in docs if a in d["delta"] and b in d["delta"]]
+            measures = {k: [r[a][k] - r[b][k] for r in rows if r[a][k] is not None and r[b][k] is not None]
+                        for k in ("all", "novel", "key")}
+        else:
+            rows = [d["arms"] for d in docs if a in d["arms"] and b in d["arms"]]
+            measures = {k: [r[a][k] - r[b][k] for r in rows] for k in ("kl", "top1")}
+        if rows:
+            out[f"{a} - {b}"] = {k: bootstrap_mean(v) for k, v in measures.items()}
+    return out
 
 
 def _ci(s: dict, scale: float = 1.0, digits: int = 3, sign: bool = True) -> str:
@@ -44,17 +109,23 @@ def markdown(study: dict) -> str:
         lines += [f"## {model}", ""]
         if runs["needles"]:
             # a row per run and arm: selector runs list their own arms
-            lines += ["Retrieval (needles), filled-region samples: accuracy % and Δ vs exact (paired, 95% interval):",
-                      "", "| split | tail | samples (filled) | exact | arm | arm, filled | Δ vs exact |",
-                      "|---|---|---|---|---|---|---|"]
+            lines += ["Retrieval (needles), filled-region samples: accuracy % and Δ vs exact (paired, 95% interval); "
+                      "the one-sided 95% lower bound of paper §3.4 (the bootstrap bound or the binomial floor "
+                      f"-100(1-0.05^(1/n)), whichever is lower) against a {100 * MARGIN:.0f}-point margin:",
+                      "", "| split | tail | samples (filled) | exact | arm | arm, filled | Δ vs exact | "
+                      f"lower bound (floor) | within {100 * MARGIN:.0f} points |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for x in sorted(runs["needles"], key=lambda x: (x["tail"], x["split"])):
                 g = x["groups"]["all tasks"]
                 head = [str(x["split"]), str(x["tail"]), f"{g['samples']} ({g['filled_samples']})",
                         _pct(g["arms"]["exact"]["accuracy_filled"])]
                 for arm, a in g["arms"].items():
                     if arm != "exact":
+                        t = x.get("noninferiority", {}).get(arm)
+                        test = ["n/a", "n/a"] if not t or not t["n"] else \
+                            [f"{100 * t['bound']:+.1f} ({100 * t['floor']:+.1f})", "yes" if t["holds"] else "no"]
                         lines.append("| " + " | ".join(head + [arm, _pct(a["accuracy_filled"]),
-                                                                _ci(a["delta_filled"], 100, 1)]) + " |")
+                                                                _ci(a["delta_filled"], 100, 1)] + test) + " |")
             lines.append("")
         # the document instruments: a row per run and arm
         doc_tables = (("nll", "ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):",
@@ -72,7 +143,31 @@ def markdown(study: dict) -> str:
                     lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | " +
                                  " | ".join(cell(s, c) for c in columns) + " |")
             lines.append("")
+        lines += pairs_table(runs)
     return "\n".join(lines)
+
+
+def pairs_table(runs: dict) -> list[str]:
+    """Arms paired with each other per sample or document: Δ = first arm minus second [95% interval]."""
+    rows = []
+    for x in sorted(runs["needles"], key=lambda x: (x["tail"], x["split"])):
+        for pair, s in x["pairs"].items():
+            rows.append([x["split"], x["tail"], pair, "needles", f"{s['accuracy']['n']} samples",
+                         "retrieval " + _ci(s["accuracy"], 100, 1) + " points"])
+    for kind in ("nll", "agreement"):
+        for x in sorted(runs[kind], key=lambda x: (x["tail"], x["split"])):
+            for pair, s in x["pairs"].items():
+                if kind == "nll":
+                    value = "; ".join(f"{k} {_ci(s[k])}" for k in ("all", "novel", "key"))
+                else:
+                    value = f"KL {_ci(s['kl'], 1, 4)}; top-1 {_ci(s['top1'], 100, 1)} points"
+                rows.append([x["split"], x["tail"], pair, kind, f"{s[next(iter(s))]['n']} documents", value])
+    if not rows:
+        return []
+    return (["Arms paired with each other (Δ = first arm minus second, per sample or document, mean [95% interval]; "
+             "retrieval on filled-region samples, ΔNLL in nats per token):", "",
+             "| split | tail | arms | instrument | paired over | Δ |", "|---|---|---|---|---|---|"] +
+            ["| " + " | ".join(map(str, r)) + " |" for r in rows] + [""])
 
 
 def _pct(x) -> str:

@@ -2,13 +2,14 @@
 # On the GPU machine: the first quality study of issue 6 (docs/eval.md), after the models arrived
 # (tools/gpu/chunks.sh) and the patched tree is built (RIDGEFILL_GPU_TREES=ridgefill TARGETS="llama ggml"
 # bash tools/gpu/build-and-test.sh --build-only). Carry .cache/device/maps and .cache/device/corpus-eval too.
-#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors ...]
+#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors|setup ...]
 # selectors is issue 8's study: at the middle split and T = 1024, the needles with the exact-row arms (at least 50
 # filled-region samples) and the loss on key tokens beside them.
 # Results accumulate under $HOME/ridgefill/study (every instrument resumes) and come back as $OUT/study.tgz at the
 # end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier
 # call are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the
-# start of this script) bounds the whole call, STEP_TIMEOUT each instrument run; ARMS (needles only) adds
+# start of this script) bounds the whole call, STEP_TIMEOUT each instrument run; MAX_DOCS the documents of a
+# loss or agreement run; THREADS the CPU threads of each run (runs side by side share the cores); ARMS (needles only) adds
 # selector arms, e.g. ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -19,16 +20,21 @@ which=${1:?usage: eval-study.sh smollm2|qwen [instrument...]}; shift
 instruments=${*:-needles nll agreement}
 maps="$work/maps" eval_docs="$work/corpus-eval"
 mkdir -p "$maps" "$eval_docs"
-[ -d "$repo/.cache/device/maps" ] && cp -a "$repo/.cache/device/maps/." "$maps/"
-[ -d "$repo/.cache/device/corpus-eval" ] && cp -a "$repo/.cache/device/corpus-eval/." "$eval_docs/"
+# -u and --skip-old-files: a run beside others does not rewrite a file they may be reading
+[ -d "$repo/.cache/device/maps" ] && cp -au "$repo/.cache/device/maps/." "$maps/"
+[ -d "$repo/.cache/device/corpus-eval" ] && cp -au "$repo/.cache/device/corpus-eval/." "$eval_docs/"
+# the texts packed (a third of the size, for a call with little room): tar -czf .cache/device/corpus-eval.tgz
+[ -f "$repo/.cache/device/corpus-eval.tgz" ] && tar -xzf "$repo/.cache/device/corpus-eval.tgz" -C "$work" --skip-old-files
 study="$work/study" && mkdir -p "$study"
+# RESUME_FROM: a committed study folder (it travels with the checkout) whose runs this machine continues
+[ -n "${RESUME_FROM:-}" ] && cp -rn "$repo/$RESUME_FROM/." "$study/"
 start=$SECONDS deadline=${DEADLINE:-570}
 step() {
     local left=$((deadline - (SECONDS - start) - 15)) limit=${STEP_TIMEOUT:-240}
     [ "$left" -lt 20 ] && { echo "eval-study: deadline reached, skipping: $1 ${*: -3}"; return; }
     [ "$left" -lt "$limit" ] && limit=$left
     echo "== eval $1 ${*: -3} (at most ${limit} s)"
-    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" 2>&1 | grep -v '^WARNING' | tail -"${STEP_LINES:-12}"
+    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" ${THREADS:+--threads "$THREADS"} 2>&1 | grep -v '^WARNING' | tail -"${STEP_LINES:-12}"
 }
 
 case "$which" in
@@ -56,6 +62,7 @@ for inst in $instruments; do
         step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail 1024 --min-tokens 3072 \
             --max-tokens "$doc_max" --max-docs "${MAX_DOCS:-12}" --score 512 -ngl 99 \
             --arms ridge,ridge+probe,ridge+random:probe,ridge+protected --out "$study/selectors-nll-$which-S$mid-T1024" ;;
+    setup) ;;  # only the copies above (study-parallel.sh makes them once before its runs start)
     nll|agreement)
         for s in $splits; do for t in $tails; do
             extra=(); [ "$inst" = nll ] && extra=(--score 512)
@@ -65,4 +72,5 @@ for inst in $instruments; do
         done; done ;;
     esac
 done
-mkdir -p "${OUT:-$work/out}" && tar -czf "${OUT:-$work/out}/study.tgz" -C "$work" study
+# NO_PACK: several of these run side by side (tools/gpu/study-parallel.sh packs once at the end)
+[ -n "${NO_PACK:-}" ] || { mkdir -p "${OUT:-$work/out}" && tar -czf "${OUT:-$work/out}/study.tgz" -C "$work" study; }
