@@ -18,11 +18,12 @@ from .stats import bootstrap_mean, noninferiority
 
 MARGIN = 0.02  # paper §3.4: non-inferiority to exact on filled-region retrieval, 2 points
 
-# (arm, arm it is paired with): the fitted map against the identity fill at the same split and tail, and the
-# default selector against its count-matched random rows, its identity-fill and question-blind twins and the
-# attention selector
-PAIRS = (("ridge", "identity"), ("ridge+probe", "ridge+random:probe"), ("ridge+probe", "identity+probe"),
-         ("ridge+probe", "ridge+blind-probe"), ("ridge+probe", "ridge+attention"), ("ridge+probe", "ridge"))
+# (arm, arm it is paired with): the fitted map against the identity fill and against no fill at the same split and
+# tail; the default selector against its count-matched random rows, its identity-fill and question-blind twins,
+# the attention selector and no selector
+PAIRS = (("ridge", "identity"), ("ridge", "none"), ("ridge+probe", "ridge+random:probe"),
+         ("ridge+probe", "identity+probe"), ("ridge+probe", "ridge+blind-probe"), ("ridge+probe", "ridge+attention"),
+         ("ridge+probe", "ridge"))
 
 
 def collect(root: str | Path) -> dict:
