@@ -540,7 +540,7 @@ def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_toke
     _run_instrument(run_nll, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 
-def _arms(arms: str, selectors: bool = False, generates: bool = False) -> tuple[str, ...]:
+def _arms(arms: str, selectors: bool = False, follows: bool = False) -> tuple[str, ...]:
     """Comma-separated arms: fills (ridge, identity, none, plumb, oracle), and with selectors also fill+probe,
     fill+attention and fill+random:probe|attention (eval/arms.py)."""
     from .eval.arms import FILLS, parse_arms
@@ -554,7 +554,7 @@ def _arms(arms: str, selectors: bool = False, generates: bool = False) -> tuple[
             raise click.BadParameter(f"unknown arm(s) {', '.join(bad)}; expected some of {', '.join(FILLS)}",
                                      param_hint="--arms")
     try:
-        parse_arms(arm_list, generates=generates)
+        parse_arms(arm_list, follows=follows)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--arms") from None
     return arm_list
@@ -587,7 +587,7 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
 @click.option("--tail", "tails", multiple=True, type=int, default=(1024,), show_default=True,
               help="exact tail T (repeatable)")
 @click.option("--arms", default="ridge,identity", show_default=True,
-              help="fills (not none: it cannot generate), fill+probe, fill+attention, the question-blind "
+              help="fills (none answers one prefill per token: slow), fill+probe, fill+attention, the question-blind "
                    "fill+blind-probe and fill+blind-attention, fill+random:<selector> (count-matched); any of them "
                    "@values, @keys or @both for the rescales")
 @_selector_options
@@ -603,7 +603,7 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 
     opts = NeedleOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
-                         arms=_arms(arms, selectors=True, generates=True), fmt=fmt, seed=seed, threads=threads,
+                         arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers,
                          selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows, seed))
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
@@ -617,7 +617,7 @@ def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_
     """KL(exact || arm) and top-1 agreement along the exact greedy continuation, with bootstrap intervals."""
     from .eval.agreement import AgreementOptions, run_agreement
 
-    opts = AgreementOptions(arms=_arms(arms, selectors=True, generates=True), tail=tail,
+    opts = AgreementOptions(arms=_arms(arms, selectors=True, follows=True), tail=tail,
                             continue_tokens=continue_tokens, min_tokens=min_tokens, max_tokens=max_tokens,
                             max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
                             selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows))

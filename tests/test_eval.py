@@ -149,30 +149,31 @@ def _tiny_model_and_maps(tmp_path):
     return model, write_random_maps(model, 1, tmp_path / "maps.gguf")
 
 
-def test_eval_needles_runs_every_arm_resumes_and_plumb_answers_as_exact(tmp_path):
+def test_eval_needles_runs_every_arm_none_included_resumes_and_plumb_answers_as_exact(tmp_path):
     require_builds("ridgefill")
     from ridgefill_gguf.eval.needles import NeedleOptions, run_needles
 
     model, maps = _tiny_model_and_maps(tmp_path)
     opts = NeedleOptions(tasks=("single", "multiquery"), lengths=(700,), samples=2, tails=(128,),
-                         arms=("plumb", "ridge", "identity"), fmt="completion", threads=2, flash_attn=False)
+                         arms=("plumb", "ridge", "identity", "none"), fmt="completion", threads=2, flash_attn=False)
     logs = []
     r = run_needles(model, [maps], tmp_path / "out", opts, log=logs.append)
     answers = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
-    assert len(answers) == 4 * 4  # 4 samples x (exact + 3 arms)
+    assert len(answers) == 4 * 5  # 4 samples x (exact + 4 arms)
     by = {(a["sample"], a["arm"]): a for a in answers}
     for sample in ("single-700-0", "single-700-1", "multiquery-700-0", "multiquery-700-1"):
         assert by[(sample, "plumb")]["stats"]["applied"] == 1
         assert by[(sample, "plumb")]["pred"] == by[(sample, "exact")]["pred"]
         assert by[(sample, "ridge")]["stats"]["n_filled"] > 0
+        assert by[(sample, "none")]["stats"]["applied"] == 1 and by[(sample, "none")]["stats"]["n_filled"] > 0
     group = r["configs"]["S1-T128"]["groups"]["all tasks"]
     assert group["samples"] == 4 and group["arms"]["plumb"]["delta_filled"]["n"] == group["filled_samples"]
     assert (tmp_path / "out" / "summary.png").exists()
     assert "| 1 | 128 | all tasks | 4 (" in (tmp_path / "out" / "summary.md").read_text()
     logs.clear()
     run_needles(model, [maps], tmp_path / "out", opts, log=logs.append)
-    assert any("resuming, 16 answers done" in line for line in logs)
-    assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 16
+    assert any("resuming, 20 answers done" in line for line in logs)
+    assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 20
 
 
 def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_selector():
@@ -200,12 +201,39 @@ def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_select
         parse_arms(["ridge@half"])
 
 
-def test_arms_that_generate_refuse_the_none_fill_by_name():
+def test_arms_that_follow_a_continuation_step_by_step_refuse_the_none_fill_by_name():
     from ridgefill_gguf.eval.arms import parse_arms
 
-    with pytest.raises(ValueError, match="fill 'none' cannot generate"):
-        parse_arms(["ridge", "none"], generates=True)
-    assert [a.fill for a in parse_arms(["ridge", "none"])] == ["ridge", "none"]  # the loss instrument takes it
+    with pytest.raises(ValueError, match="fill 'none' cannot follow a continuation"):
+        parse_arms(["ridge", "none"], follows=True)
+    assert [a.fill for a in parse_arms(["ridge", "none"])] == ["ridge", "none"]  # the loss and needle instruments take it
+
+
+def test_the_none_fill_answers_token_by_token_from_prefills_that_hide_the_filled_rows_as_numpy(tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf import libs
+    from ridgefill_gguf.engine.session import Session
+    from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
+    from ridgefill_gguf.reference import ReferenceModel
+
+    model, maps = _tiny_model_and_maps(tmp_path)
+    libs.use_build("ridgefill")
+    sess = Session(model, n_ctx=512, n_batch=64, n_ubatch=32, f32_cache=True, n_threads=2, maps=maps)
+    try:
+        prompt = sess.tokenize("The heron counts the reeds by the river until the tide turns. " * 12)
+        tail, n = 40, 4
+        answer, stats = sess.ridgefill_greedy(prompt, n, tail=tail, fill="none", min_prefix=0, exact_rows=[])
+        # the same prompt, then a decode step: the step reads the late-layer cells none left unwritten
+        logits, _, _ = sess.ridgefill(prompt + answer[:1], tail=tail + 1, fill="none", min_prefix=0, exact_rows=[])
+    finally:
+        sess.close()
+    assert stats["applied"] == 1 and stats["n_filled"] == len(prompt) - tail - 1 and len(answer) == n
+    ref = ReferenceModel(model)
+    for k in range(n):
+        want = ref.ridgefill_forward(prompt + answer[:k], 1, tail + k, "none")[-1]
+        assert int(np.argmax(want)) == answer[k]
+    step = ref.ridgefill_forward(prompt + answer[:1], 1, tail + 1, "none")[-1]
+    assert np.abs(logits - step).max() / np.abs(step).max() > 1e-3, "a decode step would not be the none arm"
 
 
 def test_eval_needles_runs_a_selector_and_its_count_matched_random_control(tmp_path):

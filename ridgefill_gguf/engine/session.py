@@ -140,6 +140,22 @@ class Session:
         finally:
             self.bindings.configure(self.ctx, logits_rows=0)
 
+    def ridgefill_greedy(self, tokens: list[int], n: int, *, tail: int, **params) -> tuple[list[int], dict]:
+        """Greedy answer of up to n tokens (stopping before an end-of-generation token), each from the logits of a
+        RidgeFill prefill of the prompt and the answer so far, whose tail grows with the answer so that the filled
+        rows stay the prompt's. For fill=none this is the only way to generate: a llama_decode step would read the
+        filled rows' unwritten late-layer cells. One prefill per token. Returns (tokens, the first prefill's stats)."""
+        out: list[int] = []
+        first: dict | None = None
+        for k in range(n):
+            logits, st = self.ridgefill_rows(tokens + out, 1, tail=tail + k, **params)
+            first = first or st
+            t = int(np.argmax(logits[-1]))
+            if self.lc.llama_vocab_is_eog(self.vocab, t):
+                break
+            out.append(t)
+        return out, first or {}
+
     def _decode_rows(self, tokens: list[int], pos0: int) -> np.ndarray:
         """Decode tokens with logits for every one of them, in batches: [n, n_vocab]."""
         out = []

@@ -47,7 +47,7 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
     from ..engine.session import Session
     from ..gguf_io import read_gguf
 
-    arms = parse_arms(opts.arms, generates=True)  # the arms are fed the continuation through decode steps
+    arms = parse_arms(opts.arms, follows=True)  # the arms are fed the continuation through decode steps
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "documents.jsonl"

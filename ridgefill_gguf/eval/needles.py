@@ -165,7 +165,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     for t in opts.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task '{t}': one of {', '.join(TASKS)}")
-    arms = parse_arms(opts.arms, generates=True)
+    arms = parse_arms(opts.arms)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
@@ -188,10 +188,13 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     def answer(tokens: list[int], task: str, config: str, arm: str, **params) -> dict:
         if arm == "exact":
             logits, _ = sess.stock(tokens)
-            st = {}
+            out, st = sess.greedy(logits, len(tokens), MAX_NEW[task]), {}
+        elif params.get("fill") == "none":
+            # every answer token from its own prefill, which hides the filled rows in the late layers
+            out, st = sess.ridgefill_greedy(tokens, MAX_NEW[task], **params)
         else:
             logits, _, st = sess.ridgefill(tokens, **params)
-        out = sess.greedy(logits, len(tokens), MAX_NEW[task])
+            out = sess.greedy(logits, len(tokens), MAX_NEW[task])
         keep = ("applied", "n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "n_budget",
                 "n_lexical", "n_protected", "n_random", "reason")
         return {"pred": sess.detokenize(out), "stats": {k: st[k] for k in keep if k in st}}
