@@ -44,7 +44,7 @@ def deep_tiny(tmp_path_factory):
 
 
 def run_engine(model, maps, runs, *, session=None, build="ridgefill", prompt=TEXT, tokens=None, special=False,
-               n_ctx=512, tmp_path=None, pieces=False):
+               n_ctx=512, tmp_path=None, pieces=False, env=None):
     spec = {"model": str(model), "n_ctx": n_ctx, "runs": runs, "special": special, "pieces": pieces,
             "session": {"n_batch": 64, "n_ubatch": 32, "n_threads": 2, "maps": str(maps) if maps else None,
                         **(session or {})}}
@@ -56,7 +56,7 @@ def run_engine(model, maps, runs, *, session=None, build="ridgefill", prompt=TEX
     spec_file.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.engine.session", "--build", build,
                            "--spec", str(spec_file), "-o", str(out)], cwd=ROOT, text=True,
-                          env=dict(os.environ, PYTHONFAULTHANDLER="1"), stdout=subprocess.PIPE,
+                          env=dict(os.environ, PYTHONFAULTHANDLER="1", **(env or {})), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     with np.load(out) as data:
@@ -259,6 +259,21 @@ def test_plumb_oracle_and_nothing_filled_reproduce_stock(flash_attn, deep_tiny, 
     assert stats["oracle"]["n_filled"] == stats["ridge"]["n_filled"] > 0
     # the approximate arm is not stock
     assert kl(stock, arrays["ridge"]) > 1e-9
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_sweep_ones_device_made_mask_gives_the_bytes_of_llama_cpps_host_made_mask(flash_attn, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    model, maps = deep_tiny["qwen3"]
+    runs = [{"name": name, "params": {"fill": "ridge", "tail": 40, "chunk": 48, "min_prefix": 0, **extra}}
+            for name, extra in (("ridge", {}), ("probe", {"probe": [16, 8]}), ("attention", {"attention": [24, 0.1, [0]]}))]
+    session = {"flash_attn": flash_attn, "n_ubatch": 16}  # many ubatches, each with its own mask
+    device, st = run_engine(model, maps, runs, session=session, tmp_path=tmp_path)
+    host, st_host = run_engine(model, maps, runs, session=session, tmp_path=tmp_path,
+                               env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
+    for name in ("ridge", "probe", "attention"):
+        assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
+        assert device[name].tobytes() == host[name].tobytes(), name
 
 
 def test_resident_and_streamed_maps_give_byte_identical_logits(deep_tiny, tmp_path):

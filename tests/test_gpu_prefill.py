@@ -1,7 +1,7 @@
 """On CUDA, with every layer on the GPU: resident and streamed maps give the same bytes (rung 2), and plumb,
 oracle and a prefill with nothing filled reproduce stock within the exact-vs-exact noise floor (rung 3), and the
 probe, the budgeted probe (the default selector) and the attention selector keep the rows a NumPy computation
-ranks highest."""
+ranks highest; sweep one's device-made mask gives the bytes of llama.cpp's host-made one."""
 from __future__ import annotations
 
 import dataclasses
@@ -95,3 +95,13 @@ def test_the_attention_selector_on_cuda_keeps_the_rows_numpy_ranks_highest_below
 
     run_selector("qwen2", deep_tiny, tmp_path, {"attention": [n_query, share, [0]]}, scores,
                  {**TIGHT, "n_gpu_layers": -1}, CUDA_TOLERANCE)
+
+
+def test_sweep_ones_device_made_mask_gives_the_bytes_of_llama_cpps_host_made_mask_on_cuda(model_and_maps, tmp_path):
+    require_cuda_builds("ridgefill")
+    model, maps = model_and_maps
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 128, "chunk": 256, "min_prefix": 0}}]
+    device, st = run_engine(model, maps, runs, session=GPU, prompt=LONG, n_ctx=2048, tmp_path=tmp_path)
+    host, _ = run_engine(model, maps, runs, session=GPU, prompt=LONG, n_ctx=2048, tmp_path=tmp_path,
+                         env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
+    assert st["ridge"]["applied"] == 1 and device["ridge"].tobytes() == host["ridge"].tobytes()
