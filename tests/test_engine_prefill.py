@@ -273,6 +273,7 @@ def test_sweep_ones_device_made_mask_gives_the_bytes_of_llama_cpps_host_made_mas
                                env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
     for name in ("ridge", "probe", "attention"):
         assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
+        assert (st[name]["early_device_mask"], st_host[name]["early_device_mask"]) == (1, 0), "each path ran"
         assert device[name].tobytes() == host[name].tobytes(), name
 
 

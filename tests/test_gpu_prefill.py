@@ -97,11 +97,16 @@ def test_the_attention_selector_on_cuda_keeps_the_rows_numpy_ranks_highest_below
                  {**TIGHT, "n_gpu_layers": -1}, CUDA_TOLERANCE)
 
 
-def test_sweep_ones_device_made_mask_gives_the_bytes_of_llama_cpps_host_made_mask_on_cuda(model_and_maps, tmp_path):
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_sweep_ones_device_made_mask_gives_the_bytes_of_llama_cpps_host_made_mask_on_cuda(flash_attn, model_and_maps,
+                                                                                         tmp_path):
     require_cuda_builds("ridgefill")
     model, maps = model_and_maps
     runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 128, "chunk": 256, "min_prefix": 0}}]
-    device, st = run_engine(model, maps, runs, session=GPU, prompt=LONG, n_ctx=2048, tmp_path=tmp_path)
-    host, _ = run_engine(model, maps, runs, session=GPU, prompt=LONG, n_ctx=2048, tmp_path=tmp_path,
-                         env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
-    assert st["ridge"]["applied"] == 1 and device["ridge"].tobytes() == host["ridge"].tobytes()
+    session = {**GPU, "flash_attn": flash_attn}
+    device, st = run_engine(model, maps, runs, session=session, prompt=LONG, n_ctx=2048, tmp_path=tmp_path)
+    host, st_host = run_engine(model, maps, runs, session=session, prompt=LONG, n_ctx=2048, tmp_path=tmp_path,
+                               env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
+    assert st["ridge"]["applied"] == 1
+    assert (st["ridge"]["early_device_mask"], st_host["ridge"]["early_device_mask"]) == (1, 0), "each path ran"
+    assert device["ridge"].tobytes() == host["ridge"].tobytes()

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 5
+API_VERSION = 6
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -95,7 +95,8 @@ class Stats(ctypes.Structure):
                 ("n_probe_exact", ctypes.c_int32), ("t_probe_ms", ctypes.c_double), ("n_attention", ctypes.c_int32),
                 ("n_budget", ctypes.c_int32), ("n_budget_protected", ctypes.c_int32),
                 ("n_budget_digits", ctypes.c_int32), ("n_budget_attention", ctypes.c_int32),
-                ("n_lexical", ctypes.c_int32), ("n_protected", ctypes.c_int32), ("n_random", ctypes.c_int32)]
+                ("n_lexical", ctypes.c_int32), ("n_protected", ctypes.c_int32), ("n_random", ctypes.c_int32),
+                ("early_device_mask", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}

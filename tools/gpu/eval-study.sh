@@ -2,7 +2,7 @@
 # On the GPU machine: the first quality study of issue 6 (docs/eval.md), after the models arrived
 # (tools/gpu/chunks.sh) and the patched tree is built (RIDGEFILL_GPU_TREES=ridgefill TARGETS="llama ggml"
 # bash tools/gpu/build-and-test.sh --build-only). Carry .cache/device/maps and .cache/device/corpus-eval too.
-#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors|setup ...]
+#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors|claim|setup ...]
 # selectors is issue 8's study: at the middle split and T = 1024, the needles with the exact-row arms (at least 50
 # filled-region samples) and the loss on key tokens beside them.
 # Results accumulate under $HOME/ridgefill/study (every instrument resumes) and come back as $OUT/study.tgz at the
@@ -20,7 +20,7 @@ which=${1:?usage: eval-study.sh smollm2|qwen [instrument...]}; shift
 instruments=${*:-needles nll agreement}
 maps="$work/maps" eval_docs="$work/corpus-eval"
 mkdir -p "$maps" "$eval_docs"
-# -u and --skip-old-files: a run beside others does not rewrite a file they may be reading
+# -u and --skip-old-files: a run beside others rewrites no file that is already there and unchanged
 [ -d "$repo/.cache/device/maps" ] && cp -au "$repo/.cache/device/maps/." "$maps/"
 [ -d "$repo/.cache/device/corpus-eval" ] && cp -au "$repo/.cache/device/corpus-eval/." "$eval_docs/"
 # the texts packed (a third of the size, for a call with little room): tar -czf .cache/device/corpus-eval.tgz
@@ -40,10 +40,10 @@ step() {
 case "$which" in
 smollm2)
     model="$work/models/SmolLM2-135M-Instruct.Q4_1.gguf"; splits="11 15 19"; prefix=smollm2
-    lengths=4096,8192; tails="1024 4096"; doc_max=8192; mid=15; select_samples=10 ;;
+    lengths=4096,8192; tails="1024 4096"; doc_max=8192; mid=15; select_samples=10; claim_samples=30 ;;
 qwen)
     model="$work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"; splits="9 12 15"; prefix=qwen
-    lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6 ;;
+    lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6; claim_samples=20 ;;
 *) echo "eval-study: smollm2 or qwen" >&2; exit 2 ;;
 esac
 splits=${SPLITS:-$splits} tails=${TAILS:-$tails}  # a subset when device time is short
@@ -62,6 +62,12 @@ for inst in $instruments; do
         step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail 1024 --min-tokens 3072 \
             --max-tokens "$doc_max" --max-docs "${MAX_DOCS:-12}" --score 512 -ngl 99 \
             --arms ridge,ridge+probe,ridge+random:probe,ridge+protected --out "$study/selectors-nll-$which-S$mid-T1024" ;;
+    claim)
+        # issue 8's 2-point claim: paper §3.4's floor passes -2 points only from 149 filled samples, so more
+        # samples with only the arms the claim needs, in a folder of their own (the selectors run keeps its arms)
+        step needles "$model" --maps "$maps/$prefix.S$mid.gguf" --tail 1024 --lengths "$lengths" \
+            --samples "${SAMPLES:-$claim_samples}" --out "$study/claim-$which-S$mid-T1024" -ngl 99 \
+            --arms "${ARMS:-ridge+probe,ridge+random:probe}" ;;
     setup) ;;  # only the copies above (study-parallel.sh makes them once before its runs start)
     nll|agreement)
         for s in $splits; do for t in $tails; do

@@ -9,6 +9,7 @@ set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
 logs="$work/study/logs" && mkdir -p "$logs"
+[ $# -gt 0 ] || { echo "usage: study-parallel.sh model:instrument[:max_docs[:splits]]..." >&2; exit 2; }
 NO_PACK=1 bash "$repo/tools/gpu/eval-study.sh" "${1%%:*}" setup
 pids=()
 for job in "$@"; do
@@ -20,8 +21,10 @@ for job in "$@"; do
         bash "$repo/tools/gpu/eval-study.sh" "$which" "$inst" > "$log" 2>&1 &
     pids+=($!)
 done
-for pid in "${pids[@]}"; do wait "$pid"; done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 for job in "$@"; do
     echo "== $job"; tail -"${LOG_LINES:-8}" "$logs/$(echo "$job" | tr ':,' '-_').log"
 done
 mkdir -p "${OUT:-$work/out}" && tar -czf "${OUT:-$work/out}/study.tgz" -C "$work" study
+[ "$failed" -eq 0 ] || { echo "study-parallel: $failed job(s) failed (their logs above)" >&2; exit 1; }
