@@ -238,3 +238,22 @@ def test_parallel_slots_prefill_their_own_sequences_with_ridgefill(kv, model_and
     assert all(out[i]["timings"]["ridgefill"]["filled"] > 0 for i in range(2))
     # the same prompt gives the same greedy tokens whether another sequence ran beside it or not
     assert out[0]["content"] == alone["content"]
+
+
+def test_a_ridgefill_prefill_after_a_cached_prefix_gives_the_host_made_masks_probabilities(model_and_maps,
+                                                                                          monkeypatch):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    prefix, suffix = PROMPT, "The suffix arrives later and is prefilled on top of the cached prefix. " * 20
+    results = {}
+    for name in ("device", "host"):
+        if name == "host":  # sweep one with llama.cpp's own mask (patch 0017's switch)
+            monkeypatch.setenv("LLAMA_RIDGEFILL_HOST_MASK", "1")
+        with Server(model, maps, tail=32, min_prefix=0, threads=2, log_path=d / f"cached-{name}.log") as srv:
+            first = srv.complete(prefix, n_predict=1, ridgefill=False, cache_prompt=True)
+            results[name] = srv.complete(prefix + suffix, n_predict=4, cache_prompt=True, n_probs=5)
+    device, host = results["device"], results["host"]
+    # only the suffix was prefilled, with RidgeFill, over the cached prefix's cells (positions from the prefix on)
+    assert device["timings"]["prompt_n"] < first["timings"]["prompt_n"]
+    assert device["timings"]["ridgefill"]["filled"] > 0
+    assert device["completion_probabilities"] == host["completion_probabilities"]
