@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -142,7 +143,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                   "hardware": hw, "model": str(model), "maps": str(maps), "split": split, "tail": tail,
                   "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS},
                   "server_commands": commands, "partial": partial, "rows": rows, "off_vs_upstream": off_rows,
-                  "selectors": sel_rows, "exact_rows_line": lines, "build": {**build_identity(), "servers": builds}}
+                  "selectors": sel_rows, "exact_rows_line": lines, "build": {**build_identity(), "servers": builds},
+                  "environment": engine_environment()}
         stem = f"{result['date']}-{label or Path(model).stem}"
         write_atomic(out_dir / f"{stem}.json", json.dumps(result, indent=2) + "\n")
         write_atomic(out_dir / f"{stem}.md", markdown(result))
@@ -311,11 +313,18 @@ def time_exact_rows(srv: Server, prompt: list[int], shares: tuple[float, ...], r
             "break_even_rows": (base["median_exact_ms"] - tau0) / sigma if sigma > 0 else None}
 
 
+def engine_environment() -> dict[str, str]:
+    """The environment variables that change what the servers run (LLAMA_RIDGEFILL_HOST_MASK, LLAMA_ARG_*)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("LLAMA_RIDGEFILL_", "LLAMA_ARG_"))}
+
+
 def markdown(r: dict) -> str:
     hw = r["hardware"]
+    env = r.get("environment") or {}
     lines = [f"# Time to first token: {Path(r['model']).name}, split {r['split']}, tail {r['tail']}", "",
              f"{r['date']}; {hw.get('gpu') or hw['cpu']}; {hw['cores']} cores; medians of {r['repeats']} "
-             "requests per arm, alternating on one server started once per placement, after one warm-up pair", "",
+             "requests per arm, alternating on one server started once per placement, after one warm-up pair"
+             + (f"; environment {', '.join(f'{k}={v}' for k, v in env.items())}" if env else ""), "",
              "| placement | tokens | exact (ms) | RidgeFill (ms) | speedup | ceiling (MACs) | ceiling (1/r) "
              "| share of MAC ceiling | filled / exact / tail rows | sweep one / fill / exact (ms) |",
              "|---|---|---|---|---|---|---|---|---|---|"]

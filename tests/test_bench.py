@@ -30,10 +30,11 @@ def test_the_mac_ceiling_is_one_when_nothing_is_filled_and_grows_with_the_filled
     assert 1.0 < low < high < layer_ceiling(16384, 13, 4096, 36) + 1e-9
 
 
-def test_a_bench_run_writes_json_markdown_and_a_plot(tmp_path):
+def test_a_bench_run_writes_json_markdown_and_a_plot_and_records_the_engines_environment(tmp_path, monkeypatch):
     require_builds("ridgefill")
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=2)
     maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
+    monkeypatch.setenv("LLAMA_RIDGEFILL_HOST_MASK", "1")  # the servers inherit it: the result must say so
     r = run_bench(model, maps, [300, 600], tail=64, repeats=1, threads=2, out_dir=tmp_path / "out",
                   label="tiny", min_prefix=0, log=lambda s: None)
     data = json.loads((tmp_path / "out" / f"{r['date']}-tiny.json").read_text())
@@ -43,7 +44,9 @@ def test_a_bench_run_writes_json_markdown_and_a_plot(tmp_path):
     assert row["speedup"] > 0 and row["ceiling_macs"] > 1
     assert data["build"]["patches"] >= 1 and len(data["build"]["patch_series_sha256"]) == 16
     assert data["build"]["servers"]["resident"]  # the server's own build_info
-    assert "| resident | 600 |" in (tmp_path / "out" / f"{r['date']}-tiny.md").read_text()
+    assert data["environment"].get("LLAMA_RIDGEFILL_HOST_MASK") == "1"
+    md = (tmp_path / "out" / f"{r['date']}-tiny.md").read_text()
+    assert "| resident | 600 |" in md and "environment LLAMA_RIDGEFILL_HOST_MASK=1" in md
     assert (tmp_path / "out" / f"{r['date']}-tiny.png").stat().st_size > 1000
 
 
