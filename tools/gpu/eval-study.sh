@@ -9,7 +9,7 @@
 # end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier
 # call are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the
 # start of this script) bounds the whole call, STEP_TIMEOUT each instrument run; MAX_DOCS the documents of a
-# loss or agreement run; THREADS the CPU threads of each run (runs side by side share the cores); ARMS (needles only) adds
+# loss or agreement run; SPLITS, TAILS and LENGTHS subsets of the model's; THREADS the CPU threads of each run (runs side by side share the cores); ARMS (needles only) adds
 # selector arms, e.g. ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -46,7 +46,7 @@ qwen)
     lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6; claim_samples=20 ;;
 *) echo "eval-study: smollm2 or qwen" >&2; exit 2 ;;
 esac
-splits=${SPLITS:-$splits} tails=${TAILS:-$tails}  # a subset when device time is short
+splits=${SPLITS:-$splits} tails=${TAILS:-$tails} lengths=${LENGTHS:-$lengths}  # subsets when time is short
 maps_args=(); for s in $splits; do maps_args+=(--maps "$maps/$prefix.S$s.gguf"); done
 tail_args=(); for t in $tails; do tail_args+=(--tail "$t"); done
 
