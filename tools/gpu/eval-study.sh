@@ -6,11 +6,12 @@
 # selectors is issue 8's study: at the middle split and T = 1024, the needles with the exact-row arms (at least 50
 # filled-region samples) and the loss on key tokens beside them.
 # Results accumulate under $HOME/ridgefill/study (every instrument resumes) and come back as $OUT/study.tgz at the
-# end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier
-# call are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the
-# start of this script) bounds the whole call, STEP_TIMEOUT each instrument run; MAX_DOCS the documents of a
-# loss or agreement run; SPLITS, TAILS and LENGTHS subsets of the model's; THREADS the CPU threads of each run (runs side by side share the cores); ARMS (needles only) adds
-# selector arms, e.g. ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8).
+# end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier call
+# are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the start of
+# this script) bounds the whole call, STEP_TIMEOUT each instrument run; MAX_DOCS the documents of a loss or
+# agreement run; SPLITS, TAILS and LENGTHS subsets of the model's; THREADS the CPU threads of each run (runs side by
+# side share the cores); ARMS (needles only) adds selector arms, e.g.
+# ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
