@@ -262,18 +262,21 @@ def test_plumb_oracle_and_nothing_filled_reproduce_stock(flash_attn, deep_tiny, 
 
 
 @pytest.mark.parametrize("flash_attn", [False, True])
-def test_sweep_ones_device_made_mask_gives_the_bytes_of_llama_cpps_host_made_mask(flash_attn, deep_tiny, tmp_path):
+def test_masks_made_in_the_graphs_give_the_bytes_of_llama_cpps_host_made_masks(flash_attn, deep_tiny, tmp_path):
+    """Sweep one's masks and the exact rows' (hidden cells included: the probe's unwritten tail, fill=none)."""
     require_builds("ridgefill")
     model, maps = deep_tiny["qwen3"]
+    arms = (("ridge", {}), ("probe", {"probe": [16, 8]}), ("attention", {"attention": [24, 0.1, [0]]}),
+            ("none", {"fill": "none", "logits_rows": 4}))
     runs = [{"name": name, "params": {"fill": "ridge", "tail": 40, "chunk": 48, "min_prefix": 0, **extra}}
-            for name, extra in (("ridge", {}), ("probe", {"probe": [16, 8]}), ("attention", {"attention": [24, 0.1, [0]]}))]
+            for name, extra in arms]
     session = {"flash_attn": flash_attn, "n_ubatch": 16}  # many ubatches, each with its own mask
     device, st = run_engine(model, maps, runs, session=session, tmp_path=tmp_path)
     host, st_host = run_engine(model, maps, runs, session=session, tmp_path=tmp_path,
                                env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
-    for name in ("ridge", "probe", "attention"):
+    for name in ("ridge", "probe", "attention", "none"):
         assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
-        assert (st[name]["early_device_mask"], st_host[name]["early_device_mask"]) == (1, 0), "each path ran"
+        assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
         assert device[name].tobytes() == host[name].tobytes(), name
 
 

@@ -1,7 +1,7 @@
 """On CUDA, with every layer on the GPU: resident and streamed maps give the same bytes (rung 2), and plumb,
 oracle and a prefill with nothing filled reproduce stock within the exact-vs-exact noise floor (rung 3), and the
 probe, the budgeted probe (the default selector) and the attention selector keep the rows a NumPy computation
-ranks highest; sweep one's device-made mask gives the bytes of llama.cpp's host-made one."""
+ranks highest; the masks made in the graphs give the bytes of llama.cpp's host-made ones."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +12,9 @@ from conftest import require_cuda_builds
 from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file, write_random_maps
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-from test_engine_prefill import (SELECTOR_TAIL, SPLIT, TIGHT, check_budgeted_probe, deep_tiny, kl, reference_and_maps,  # noqa: F401
-                                 run_engine, run_selector)
+from test_engine_prefill import deep_tiny  # noqa: F401  (a fixture)
+from test_engine_prefill import (SELECTOR_TAIL, SPLIT, TIGHT, check_budgeted_probe, kl, reference_and_maps, run_engine,
+                                 run_selector)
 
 pytestmark = pytest.mark.gpu
 
@@ -98,15 +99,17 @@ def test_the_attention_selector_on_cuda_keeps_the_rows_numpy_ranks_highest_below
 
 
 @pytest.mark.parametrize("flash_attn", [True, False])
-def test_sweep_ones_device_made_mask_gives_the_bytes_of_llama_cpps_host_made_mask_on_cuda(flash_attn, model_and_maps,
+def test_masks_made_in_the_graphs_give_the_bytes_of_llama_cpps_host_made_masks_on_cuda(flash_attn, model_and_maps,
                                                                                          tmp_path):
     require_cuda_builds("ridgefill")
     model, maps = model_and_maps
-    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 128, "chunk": 256, "min_prefix": 0}}]
+    base = {"fill": "ridge", "tail": 128, "chunk": 256, "min_prefix": 0}
+    runs = [{"name": "ridge", "params": base}, {"name": "probe", "params": {**base, "probe": [64, 32]}}]
     session = {**GPU, "flash_attn": flash_attn}
     device, st = run_engine(model, maps, runs, session=session, prompt=LONG, n_ctx=2048, tmp_path=tmp_path)
     host, st_host = run_engine(model, maps, runs, session=session, prompt=LONG, n_ctx=2048, tmp_path=tmp_path,
                                env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
-    assert st["ridge"]["applied"] == 1
-    assert (st["ridge"]["early_device_mask"], st_host["ridge"]["early_device_mask"]) == (1, 0), "each path ran"
-    assert device["ridge"].tobytes() == host["ridge"].tobytes()
+    for name in ("ridge", "probe"):
+        assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
+        assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
+        assert device[name].tobytes() == host[name].tobytes(), name

@@ -96,7 +96,7 @@ class Stats(ctypes.Structure):
                 ("n_budget", ctypes.c_int32), ("n_budget_protected", ctypes.c_int32),
                 ("n_budget_digits", ctypes.c_int32), ("n_budget_attention", ctypes.c_int32),
                 ("n_lexical", ctypes.c_int32), ("n_protected", ctypes.c_int32), ("n_random", ctypes.c_int32),
-                ("early_device_mask", ctypes.c_int32)]
+                ("device_mask", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
