@@ -14,6 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..util import save_figure, write_atomic
+from .documents import load_jsonl
+from .needles import Sample
 from .stats import bootstrap_mean, noninferiority
 
 MARGIN = 0.02  # paper §3.4: non-inferiority to exact on filled-region retrieval, 2 points
@@ -35,49 +37,41 @@ def collect(root: str | Path) -> dict:
         name = Path(r["model"]).name
         kind = r.get("instrument", "").removeprefix("eval ")
         if kind in ("nll", "agreement"):
-            docs = _jsonl(path.parent / "documents.jsonl")
+            docs = load_jsonl(path.parent / "documents.jsonl")
             runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
                                      "summary": r["summary"], "pairs": document_pairs(kind, docs),
                                      "path": str(path.parent)})
         elif kind == "needles":
-            samples = {s["sample_id"]: s for s in _jsonl(path.parent / "samples.jsonl")}
-            answers = _jsonl(path.parent / "results.jsonl")
+            samples = [Sample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
+            answers = load_jsonl(path.parent / "results.jsonl")
             for cfg, c in r["configs"].items():
+                pairs, test = needle_contrasts(samples, answers, cfg, c["tail"])
                 runs[name]["needles"].append({"split": c["split"], "tail": c["tail"], "groups": c["groups"],
-                                              "pairs": needle_pairs(samples, answers, cfg, c["tail"]),
-                                              "noninferiority": needle_noninferiority(samples, answers, cfg,
-                                                                                      c["tail"]),
+                                              "pairs": pairs, "noninferiority": test,
                                               "lengths": r["options"]["lengths"], "path": str(path.parent)})
     return {k: v for k, v in runs.items()}
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _filled(samples: dict, tail: int) -> list[str]:
-    return [sid for sid, s in samples.items() if all(end <= s["n_tokens"] - tail for _, end in s["needle_rows"])]
-
-
-def needle_noninferiority(samples: dict, answers: list[dict], config: str, tail: int) -> dict:
-    """{arm: paper §3.4's test of arm minus exact at a 2-point margin, over the filled-region samples}."""
+def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, tail: int) -> tuple[dict, dict]:
+    """Over the filled-region samples of one configuration: ({"a - b": bootstrap of score(a) - score(b)} for the
+    PAIRS both arms answered, {arm: paper §3.4's test of arm minus exact at the 2-point margin})."""
+    filled = [s.sample_id for s in samples if s.filled_region(tail)]
     exact = {r["sample"]: r["score"] for r in answers if r["config"] == "exact"}
-    arms = {r["arm"] for r in answers if r["config"] == config}
-    score = {(r["sample"], r["arm"]): r["score"] for r in answers if r["config"] == config}
-    return {arm: noninferiority([score[(sid, arm)] - exact[sid] for sid in _filled(samples, tail)
-                                 if (sid, arm) in score and sid in exact], MARGIN) for arm in sorted(arms)}
+    by_arm: dict[str, dict[str, float]] = defaultdict(dict)  # arm -> sample -> score
+    for r in answers:
+        if r["config"] == config:
+            by_arm[r["arm"]][r["sample"]] = r["score"]
 
+    def paired(a: dict, b: dict) -> list[float]:
+        return [a[sid] - b[sid] for sid in filled if sid in a and sid in b]
 
-def needle_pairs(samples: dict, answers: list[dict], config: str, tail: int) -> dict:
-    """{"a - b": bootstrap of score(a) - score(b) over the filled-region samples both arms answered}."""
-    score = {(r["sample"], r["arm"]): r["score"] for r in answers if r["config"] == config}
-    filled = _filled(samples, tail)
-    out = {}
+    pairs = {}
     for a, b in PAIRS:
-        diffs = [score[(sid, a)] - score[(sid, b)] for sid in filled if (sid, a) in score and (sid, b) in score]
-        if diffs:
-            out[f"{a} - {b}"] = {"accuracy": bootstrap_mean(diffs)}
-    return out
+        d = paired(by_arm.get(a, {}), by_arm.get(b, {}))
+        if d:
+            pairs[f"{a} - {b}"] = {"accuracy": bootstrap_mean(d)}
+    test = {arm: noninferiority(paired(scores, exact), MARGIN) for arm, scores in sorted(by_arm.items())}
+    return pairs, test
 
 
 def document_pairs(kind: str, docs: list[dict]) -> dict:

@@ -10,13 +10,10 @@ SEED = 0
 def bootstrap_mean(values, resamples: int = RESAMPLES, seed: int = SEED, level: float = 0.95) -> dict:
     """Mean and median of per-sample values (already paired differences), with a percentile interval of the
     mean from resampling the samples with replacement."""
-    x = np.asarray(values, dtype=np.float64)
-    x = x[np.isfinite(x)]
+    x = _finite(values)
     if not len(x):
         return {"n": 0, "mean": None, "median": None, "lo": None, "hi": None}
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(resamples, len(x)))
-    means = x[idx].mean(axis=1)
+    means = _resampled_means(x, resamples, seed)
     alpha = (1 - level) / 2
     lo, hi = np.quantile(means, [alpha, 1 - alpha])
     return {"n": int(len(x)), "mean": float(x.mean()), "median": float(np.median(x)), "lo": float(lo),
@@ -33,14 +30,22 @@ def noninferiority(values, margin: float, resamples: int = RESAMPLES, seed: int 
     """Paper §3.4's test of arm minus reference (paired per sample): the one-sided (1 - alpha) lower bound is the
     more conservative of the bootstrap bound and the binomial floor; the arm is non-inferior when the bound lies
     above -margin."""
-    x = np.asarray(values, dtype=np.float64)
-    x = x[np.isfinite(x)]
+    x = _finite(values)
     if not len(x):
         return {"n": 0, "bootstrap_bound": None, "floor": None, "bound": None, "margin": margin, "holds": False}
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
-    boot = float(np.quantile(means, alpha))
+    boot = float(np.quantile(_resampled_means(x, resamples, seed), alpha))
     floor = binomial_floor(len(x), alpha)
     bound = min(boot, floor)
     return {"n": int(len(x)), "bootstrap_bound": boot, "floor": floor, "bound": bound, "margin": margin,
             "holds": bool(bound > -margin)}
+
+
+def _finite(values) -> np.ndarray:
+    x = np.asarray(values, dtype=np.float64)
+    return x[np.isfinite(x)]
+
+
+def _resampled_means(x: np.ndarray, resamples: int, seed: int) -> np.ndarray:
+    """The means of `resamples` draws of len(x) samples with replacement, from a fixed seed."""
+    rng = np.random.default_rng(seed)
+    return x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
