@@ -56,36 +56,48 @@ def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_ro
 
 
 class DeviceMemory:
-    """GPU memory in use over time (one `nvidia-smi -lms` stream, MiB), to read the peak of a time window.
-    Inert where there is no nvidia-smi: peaks are then None."""
+    """GPU memory in use over time (one `nvidia-smi -lms` stream, MiB), to read the peak of a time window, and any
+    other `fields` nvidia-smi reports (SM clock, power, temperature) to average over one.
+    Inert where there is no nvidia-smi: peaks and means are then None."""
 
-    def __init__(self, period_ms: int = 50):
+    def __init__(self, period_ms: int = 50, fields: tuple[str, ...] = ()):
         self.period_ms = period_ms
-        self.samples: list[tuple[float, int]] = []
+        self.fields = ("memory.used", *fields)
+        self.samples: list[tuple[float, tuple[float, ...]]] = []
         self.proc = None
 
     def __enter__(self) -> "DeviceMemory":
         if shutil.which("nvidia-smi"):
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                          "-i", "0", f"-lms={self.period_ms}"], stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(self.fields)}",
+                                          "--format=csv,noheader,nounits", "-i", "0", f"-lms={self.period_ms}"],
+                                         stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
         return self
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             try:
-                self.samples.append((time.monotonic(), int(line.strip())))
+                self.samples.append((time.monotonic(), tuple(float(v) for v in line.split(","))))
             except ValueError:
                 pass
 
-    def peak(self, t0: float, t1: float) -> int | None:
-        """The largest sample taken in [t0, t1] (and the one just before t0, which still held then)."""
-        if not self.proc:
-            return None
+    def _window(self, t0: float, t1: float) -> list[tuple[float, ...]]:
+        """The samples taken in [t0, t1] and the one just before t0, which still held then."""
         time.sleep(2 * self.period_ms / 1000)  # let the samples of the window arrive
-        before = [m for t, m in self.samples if t < t0][-1:]
-        inside = [m for t, m in self.samples if t0 <= t <= t1]
-        return max(before + inside) if before or inside else None
+        before = [v for t, v in self.samples if t < t0][-1:]
+        return before + [v for t, v in self.samples if t0 <= t <= t1]
+
+    def peak(self, t0: float, t1: float) -> int | None:
+        """The most memory in use in [t0, t1] (MiB)."""
+        window = self._window(t0, t1) if self.proc else []
+        return int(max(v[0] for v in window)) if window else None
+
+    def means(self, t0: float, t1: float) -> dict[str, float] | None:
+        """Each field's mean over [t0, t1]."""
+        window = self._window(t0, t1) if self.proc else []
+        if not window:
+            return None
+        return {f: sum(v[i] for v in window) / len(window) for i, f in enumerate(self.fields)}
 
     def __exit__(self, *exc) -> None:
         if self.proc:
@@ -131,7 +143,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
     text = text or default_text(6 * n_max)
-    rows, off_rows, commands, sel_rows, lines, builds = [], [], {}, [], [], {}
+    rows, off_rows, commands, sel_rows, lines, builds, warmups = [], [], {}, [], [], {}, {}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hw = hardware()
@@ -143,6 +155,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                   "hardware": hw, "model": str(model), "maps": str(maps), "split": split, "tail": tail,
                   "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS},
                   "server_commands": commands, "partial": partial, "rows": rows, "off_vs_upstream": off_rows,
+                  "ridgefill_vs_upstream": against_upstream(rows, off_rows), "stock_warmup": warmups,
                   "selectors": sel_rows, "exact_rows_line": lines, "build": {**build_identity(), "servers": builds},
                   "environment": engine_environment()}
         stem = f"{result['date']}-{label or Path(model).stem}"
@@ -171,7 +184,10 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                 builds[placement] = srv.get("/props").get("build_info")
                 by_n = prompts(srv)
                 # a warm-up pair per server start; its stock request comes before RidgeFill's buffers exist
-                _, stock_peak = timed(mem, lambda: srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=False))
+                warm, stock_peak = timed(mem, lambda: srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=False))
+                # the only stock request this server runs before any RidgeFill request: beside the exact arm's
+                # median it shows whether a RidgeFill request slows the stock requests after it
+                warmups[placement] = {"tokens": lengths[0], "stock_ms": warm["timings"]["prompt_ms"]}
                 # plain RidgeFill (no exact prefix rows) is the speed arm; selectors are timed beside it
                 srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=True, ridgefill_select="none")
                 for n in lengths:
@@ -240,6 +256,22 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                      "off_over_upstream": statistics.median(off_ms) / statistics.median(up_ms)})
                     save(partial=True)
     return save(partial=False)
+
+
+def against_upstream(rows: list[dict], off_rows: list[dict]) -> list[dict]:
+    """RidgeFill's median against the upstream build's stock prefill of the same length (timed in the same run),
+    and the exact arm's (stock requests on the RidgeFill server, between RidgeFill requests) against it too."""
+    upstream = {x["tokens"]: x["median_upstream_ms"] for x in off_rows}
+    out = []
+    for x in rows:
+        up = upstream.get(x["tokens"])
+        if up:
+            speedup = up / x["median_ridgefill_ms"]
+            out.append({"placement": x["placement"], "tokens": x["tokens"], "median_upstream_ms": up,
+                        "median_ridgefill_ms": x["median_ridgefill_ms"], "speedup": speedup,
+                        "share_of_ceiling": speedup / x["ceiling_macs"],
+                        "exact_over_upstream": x["median_exact_ms"] / up})
+    return out
 
 
 def build_identity() -> dict:
@@ -370,6 +402,19 @@ def markdown(r: dict) -> str:
         for x in r["off_vs_upstream"]:
             lines.append(f"| {x['tokens']} | {x['median_upstream_ms']:.0f} | {x['median_off_ms']:.0f} | "
                          f"{x['off_over_upstream']:.3f} |")
+    if r.get("ridgefill_vs_upstream"):
+        lines += ["", "RidgeFill against the upstream build's stock prefill (medians, ms; the exact arm above runs on the "
+                  "RidgeFill server between RidgeFill requests):", "",
+                  "| placement | tokens | upstream | RidgeFill | speedup | share of MAC ceiling | exact arm / upstream |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in r["ridgefill_vs_upstream"]:
+            lines.append(f"| {x['placement']} | {x['tokens']} | {x['median_upstream_ms']:.0f} | "
+                         f"{x['median_ridgefill_ms']:.0f} | {x['speedup']:.2f}x | {100 * x['share_of_ceiling']:.0f}% | "
+                         f"{x['exact_over_upstream']:.3f} |")
+    if r.get("stock_warmup"):
+        lines += ["", "The stock warm-up request of each server, the only one before any RidgeFill request (ms): "
+                  + ", ".join(f"{p} {w['stock_ms']:.0f} at {w['tokens']} tokens" for p, w in r["stock_warmup"].items())
+                  + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -386,6 +431,10 @@ def plot(r: dict, path: Path) -> None:
     xs = [x for x in r["rows"] if x["placement"] == r["rows"][0]["placement"]]
     ax.plot([x["tokens"] for x in xs], [x["ceiling_macs"] for x in xs], "k--", label="ceiling (MACs)")
     ax.plot([x["tokens"] for x in xs], [x["ceiling_layers"] for x in xs], "k:", label="ceiling (1/r)")
+    up = [x for x in r.get("ridgefill_vs_upstream") or [] if x["placement"] == r["rows"][0]["placement"]]
+    if up:
+        ax.plot([x["tokens"] for x in up], [x["speedup"] for x in up], "s-.",
+                label=f"against upstream, {up[0]['placement']}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("speedup of time to first token")

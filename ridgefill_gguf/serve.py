@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -66,13 +67,14 @@ class Server:
 
     def __init__(self, model: str | Path, maps: str | Path | None = None, *, build: str = "ridgefill",
                  port: int | None = None, log_path: str | Path | None = None, startup_timeout: float = 600,
-                 **kwargs):
+                 env: dict[str, str] | None = None, **kwargs):
         self.port = port or free_port()
         self.binary = libs.find_binary(build, "llama-server")
         self.args = server_args(model, maps, port=self.port, **kwargs)
         self.host = kwargs.get("host", "127.0.0.1")
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout = startup_timeout
+        self.env = {**os.environ, **env} if env else None  # more environment for this server only
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -86,7 +88,7 @@ class Server:
 
     def start(self) -> "Server":
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

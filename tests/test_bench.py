@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT, require_builds
-from ridgefill_gguf.bench import layer_ceiling, mac_ceiling, run_bench
+from ridgefill_gguf.bench import against_upstream, layer_ceiling, mac_ceiling, run_bench
 from ridgefill_gguf.random_gguf import ModelShape
 from ridgefill_gguf.maps.synthetic import write_random_maps
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
@@ -62,6 +63,18 @@ def test_the_bench_times_upstream_against_ridgefill_attached_but_off(tmp_path):
     assert set(r["server_commands"]) == {"resident", "upstream", "attached_off"}
     assert "--ridgefill" in r["server_commands"]["attached_off"] and "--ridgefill" not in r["server_commands"]["upstream"]
     assert "| 400 |" in (tmp_path / "out" / f"{r['date']}-off.md").read_text().split("against the upstream build")[1]
+    (vs,) = r["ridgefill_vs_upstream"]
+    assert vs["median_upstream_ms"] == off["median_upstream_ms"] and vs["speedup"] > 0
+    assert r["stock_warmup"]["resident"]["tokens"] == 400 and r["stock_warmup"]["resident"]["stock_ms"] > 0
+
+
+def test_ridgefill_is_also_compared_with_upstreams_stock_prefill_of_the_same_length():
+    rows = [{"placement": "resident", "tokens": n, "median_exact_ms": ex, "median_ridgefill_ms": rf, "ceiling_macs": c}
+            for n, ex, rf, c in ((100, 110.0, 50.0, 2.5), (200, 220.0, 100.0, 2.5))]
+    off = [{"tokens": 200, "median_upstream_ms": 200.0, "median_off_ms": 201.0}]
+    (x,) = against_upstream(rows, off)  # only lengths upstream was timed at
+    assert x["tokens"] == 200 and x["speedup"] == 2.0 and x["share_of_ceiling"] == 0.8
+    assert x["exact_over_upstream"] == 1.1
 
 
 def test_the_exact_row_line_is_fitted_by_least_squares():
@@ -105,3 +118,31 @@ def test_the_sweep_one_control_times_the_first_layers_stock_against_sweep_one(tm
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_early_control.py"), str(model), str(maps),
                           str(model)], text=True, capture_output=True, timeout=600)
     assert bad.returncode != 0 and "must have the split's 2 layers" in bad.stderr
+
+
+def test_the_stock_after_ridgefill_diagnostic_times_each_phase_with_the_gpus_clocks(tmp_path):
+    require_builds("ridgefill")
+    model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("qwen3"), n_layer=4), seed=0)
+    maps = write_random_maps(model, 2, tmp_path / "maps.gguf")
+    # a stand-in nvidia-smi: memory, SM clock, power and temperature every 20 ms, whatever it is asked
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nwhile true; do echo '1000, 1980, 350.5, 60'; sleep 0.02; done\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_stock_after.py"), str(model), str(maps),
+                           "--tokens", "600", "--small", "300", "--tail", "64", "--repeats", "1", "--idle", "0",
+                           "--min-prefix", "0", "-t", "2", "--no-graphs", "--results", str(tmp_path / "out")],
+                          text=True, capture_output=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (result,) = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]
+    assert set(result["variants"]) == {"default", "no-cuda-graphs"}
+    v = result["variants"]["no-cuda-graphs"]
+    assert v["environment"] == {"GGML_CUDA_DISABLE_GRAPHS": "1"}
+    assert [(r["phase"], r["ridgefill"]) for r in v["requests"]] == [
+        ("fresh", False), ("after-small", True), ("after-small", False), ("after-full", True), ("after-full", False),
+        ("after-idle", False)]
+    assert set(v["median_ms"]) == {"fresh", "after-small", "after-full", "after-idle"}
+    assert all(r["clocks.sm"] == 1980 and r["power.draw"] == 350.5 for r in v["requests"])
+    md = next((tmp_path / "out").glob("*.md")).read_text()
+    assert "| no-cuda-graphs | after-idle | stock | 600 |" in md
