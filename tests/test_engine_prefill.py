@@ -91,6 +91,19 @@ def test_ridgefill_off_with_maps_attached_is_byte_identical_to_upstream(deep_tin
     assert report["identical"], [r for r in report["arrays"] if not r["identical"]]
 
 
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_a_stock_prefill_after_ridgefill_prefills_gives_the_bytes_of_one_before_them(flash_attn, deep_tiny, tmp_path):
+    # RidgeFill's graphs take over the scheduler's reservation and give the stock one back (patch 0018)
+    require_builds("ridgefill")
+    model, maps = deep_tiny["qwen3"]
+    base = {"fill": "ridge", "tail": 40, "chunk": 48, "min_prefix": 0}
+    runs = [{"name": "before", "stock": True}, {"name": "ridge", "params": base},
+            {"name": "probe", "params": {**base, "probe": [16, 8]}}, {"name": "after", "stock": True}]
+    arrays, stats = run_engine(model, maps, runs, session={"flash_attn": flash_attn}, tmp_path=tmp_path)
+    assert stats["ridge"]["applied"] == 1 and stats["probe"]["applied"] == 1
+    assert arrays["before"].tobytes() == arrays["after"].tobytes()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_ridge_arm_matches_an_independent_numpy_computation(arch, deep_tiny, tmp_path):
     require_builds("ridgefill")
