@@ -22,8 +22,9 @@ r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=4096,
               label=os.environ.get("LABEL", f"{os.environ.get('PRESET', 'qwen3-8b')}-{os.environ.get('DTYPE', 'q8_0')}-shape-h200"), vs_upstream=os.environ.get("VS_UPSTREAM") == "1",
               selectors=tuple(x for x in os.environ.get("SELECT", "").split(",") if x),
               exact_shares=tuple(float(x) for x in os.environ.get("EXACT_SHARES", "").split(",") if x),
-              # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it
+              # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it, and 128K prompts need
+              # room for the generated token above 131,072
               extra=("--override-kv", f"{'llama' if os.environ.get('PRESET', '').startswith('llama') else 'qwen3'}"
-                     ".context_length=int:131072") + (("-b", ub, "-ub", ub) if ub else ()))
+                     ".context_length=int:262144") + (("-b", ub, "-ub", ub) if ub else ()))
 print(open(r["files"][1]).read())
 PY
