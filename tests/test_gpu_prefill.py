@@ -119,7 +119,7 @@ def test_sweep_one_and_the_stock_prefills_after_ridgefill_never_reallocate_betwe
                                                                                                      tmp_path):
     """llama.cpp reserves the worst-case prompt graph so that its scheduler never reallocates between ubatches:
     a reallocation first waits for the GPU, and the host stops preparing ubatch i+1 while ubatch i computes (stock
-    prefills ran 6-8% slower after a RidgeFill request on the H200 until patch 0018). GGML_SCHED_DEBUG_REALLOC=1
+    prefills ran 6-9% slower after a RidgeFill request on the H200 until patch 0018). GGML_SCHED_DEBUG_REALLOC=1
     aborts the process on a reallocation between graphs of one size."""
     require_cuda_builds("ridgefill")
     model, maps = model_and_maps

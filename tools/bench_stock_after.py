@@ -3,7 +3,7 @@
 
   python tools/bench_stock_after.py MODEL.gguf MAPS.gguf --tokens 32768 [--small 8192] [-ngl 99] [--no-graphs]
 
-On the H200 (2026-12-01) the exact arm, stock requests between RidgeFill requests on one server, took 6-8% longer
+On the H200 (2026-12-01) the exact arm, stock requests between RidgeFill requests on one server, took 6-9% longer
 than the upstream build's stock prefill and than the same server's own stock warm-up, the one stock request before
 any RidgeFill request. This script runs, on one server with the maps attached:
 

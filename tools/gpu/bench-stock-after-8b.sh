@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine after tools/gpu/prepare-8b.sh: does a RidgeFill request slow the stock requests after it
-# (issue 7: the exact arm ran 6-8% slower than upstream on 2026-12-01)? tools/bench_stock_after.py on the
+# (issue 7: the exact arm ran 6-9% slower than upstream on 2026-12-01)? tools/bench_stock_after.py on the
 # Qwen3-8B-shaped model, with and without CUDA graphs. Results in $OUT/bench.   [TOKENS=32768] bash ...
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
