@@ -350,67 +350,70 @@ def engine_environment() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("LLAMA_RIDGEFILL_", "LLAMA_ARG_"))}
 
 
+def markdown_table(caption: str | None, header: list[str], rows: list[list]) -> list[str]:
+    """Markdown lines of one table, after a blank line and its caption when it has one."""
+    lines = ["", caption, ""] if caption else []
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
 def markdown(r: dict) -> str:
     hw = r["hardware"]
     env = r.get("environment") or {}
     lines = [f"# Time to first token: {Path(r['model']).name}, split {r['split']}, tail {r['tail']}", "",
              f"{r['date']}; {hw.get('gpu') or hw['cpu']}; {hw['cores']} cores; medians of {r['repeats']} "
              "requests per arm, alternating on one server started once per placement, after one warm-up pair"
-             + (f"; environment {', '.join(f'{k}={v}' for k, v in env.items())}" if env else ""), "",
-             "| placement | tokens | exact (ms) | RidgeFill (ms) | speedup | ceiling (MACs) | ceiling (1/r) "
-             "| share of MAC ceiling | filled / exact / tail rows | sweep one / fill / exact (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for x in r["rows"]:
-        p, rw = x["phases_ms"], x["rows"]
-        lines.append(f"| {x['placement']} | {x['tokens']} | {x['median_exact_ms']:.0f} | "
-                     f"{x['median_ridgefill_ms']:.0f} | {x['speedup']:.2f}x | {x['ceiling_macs']:.2f}x | "
-                     f"{x['ceiling_layers']:.2f}x | {100 * x['share_of_ceiling']:.0f}% | "
-                     f"{rw['filled']} / {rw['exact']} / {rw['tail']} | "
-                     f"{p['early_ms']:.0f} / {p['fill_ms']:.0f} / {p['exact_ms']:.0f} |")
+             + (f"; environment {', '.join(f'{k}={v}' for k, v in env.items())}" if env else ""), ""]
+    lines += markdown_table(None, ["placement", "tokens", "exact (ms)", "RidgeFill (ms)", "speedup", "ceiling (MACs)",
+                           "ceiling (1/r)", "share of MAC ceiling", "filled / exact / tail rows",
+                           "sweep one / fill / exact (ms)"],
+                    [[x["placement"], x["tokens"], f"{x['median_exact_ms']:.0f}", f"{x['median_ridgefill_ms']:.0f}",
+                      f"{x['speedup']:.2f}x", f"{x['ceiling_macs']:.2f}x", f"{x['ceiling_layers']:.2f}x",
+                      f"{100 * x['share_of_ceiling']:.0f}%",
+                      f"{x['rows']['filled']} / {x['rows']['exact']} / {x['rows']['tail']}",
+                      f"{x['phases_ms']['early_ms']:.0f} / {x['phases_ms']['fill_ms']:.0f} / "
+                      f"{x['phases_ms']['exact_ms']:.0f}"] for x in r["rows"]])
     mem = [x for x in r["rows"] if x.get("peak_memory_mib", {}).get("ridgefill")]
     if mem:
-        lines += ["", "Peak GPU memory in use (MiB; RidgeFill's buffers stay allocated once made, so the exact arm "
-                  "after the first RidgeFill request includes them):", "",
-                  "| placement | tokens | stock before RidgeFill | exact | RidgeFill |", "|---|---|---|---|---|"]
-        for x in mem:
-            m = x["peak_memory_mib"]
-            lines.append(f"| {x['placement']} | {x['tokens']} | {m['stock_before_ridgefill']} | {m['exact']} | "
-                         f"{m['ridgefill']} |")
+        lines += markdown_table("Peak GPU memory in use (MiB; RidgeFill's buffers stay allocated once made, so the exact arm "
+                        "after the first RidgeFill request includes them):",
+                        ["placement", "tokens", "stock before RidgeFill", "exact", "RidgeFill"],
+                        [[x["placement"], x["tokens"], x["peak_memory_mib"]["stock_before_ridgefill"],
+                          x["peak_memory_mib"]["exact"], x["peak_memory_mib"]["ridgefill"]] for x in mem])
     if r.get("selectors"):
-        lines += ["", "Exact-row selectors (medians, ms; per request, on the same server):", "",
-                  "| placement | tokens | selector | RidgeFill + selector | vs exact | vs plain RidgeFill | rows selected "
-                  "(of the prefix) | budget E / lexical | probe (ms) |", "|---|---|---|---|---|---|---|---|---|"]
-        for x in r["selectors"]:
-            lines.append(f"| {x['placement']} | {x['tokens']} | {x['selector']} | {x['median_ms']:.0f} | "
-                         f"{x['speedup_vs_exact']:.2f}x | {x['vs_plain']:.2f}x | {x['selected']} "
-                         f"({100 * x['selected'] / max(x['prefix'], 1):.0f}%) | {x['budget']} / {x['lexical']} | "
-                         f"{x['phases_ms']['probe_ms']:.0f} |")
+        lines += markdown_table("Exact-row selectors (medians, ms; per request, on the same server):",
+                        ["placement", "tokens", "selector", "RidgeFill + selector", "vs exact", "vs plain RidgeFill",
+                         "rows selected (of the prefix)", "budget E / lexical", "probe (ms)"],
+                        [[x["placement"], x["tokens"], x["selector"], f"{x['median_ms']:.0f}",
+                          f"{x['speedup_vs_exact']:.2f}x", f"{x['vs_plain']:.2f}x",
+                          f"{x['selected']} ({100 * x['selected'] / max(x['prefix'], 1):.0f}%)",
+                          f"{x['budget']} / {x['lexical']}", f"{x['phases_ms']['probe_ms']:.0f}"]
+                         for x in r["selectors"]])
     if r.get("exact_rows_line"):
-        lines += ["", "Exact prefix rows and time (paper Appendix H: tau(E) = tau0 + E sigma; kappa = sigma over a "
-                  "tail row's late-layer time; random rows, medians):", "",
-                  "| placement | tokens | E: median ms | tau0 (ms) | sigma (ms/row) | kappa | rows affordable |",
-                  "|---|---|---|---|---|---|---|"]
-        for x in r["exact_rows_line"]:
-            pts = ", ".join(f"{p['exact_rows']}: {p['median_ms']:.0f}" for p in x["points"])
-            kappa = f"{x['kappa']:.2f}" if x["kappa"] is not None else "n/a"
-            even = f"{x['break_even_rows']:.0f}" if x["break_even_rows"] is not None else "n/a"
-            lines.append(f"| {x['placement']} | {x['tokens']} | {pts} | {x['tau0_ms']:.0f} | "
-                         f"{x['sigma_ms_per_row']:.4f} | {kappa} | {even} |")
+        lines += markdown_table("Exact prefix rows and time (paper Appendix H: tau(E) = tau0 + E sigma; kappa = sigma over a "
+                        "tail row's late-layer time; random rows, medians):",
+                        ["placement", "tokens", "E: median ms", "tau0 (ms)", "sigma (ms/row)", "kappa",
+                         "rows affordable"],
+                        [[x["placement"], x["tokens"],
+                          ", ".join(f"{p['exact_rows']}: {p['median_ms']:.0f}" for p in x["points"]),
+                          f"{x['tau0_ms']:.0f}", f"{x['sigma_ms_per_row']:.4f}",
+                          f"{x['kappa']:.2f}" if x["kappa"] is not None else "n/a",
+                          f"{x['break_even_rows']:.0f}" if x["break_even_rows"] is not None else "n/a"]
+                         for x in r["exact_rows_line"]])
     if r.get("off_vs_upstream"):
-        lines += ["", "RidgeFill attached but off, against the upstream build (medians, ms):", "",
-                  "| tokens | upstream | attached, off | off / upstream |", "|---|---|---|---|"]
-        for x in r["off_vs_upstream"]:
-            lines.append(f"| {x['tokens']} | {x['median_upstream_ms']:.0f} | {x['median_off_ms']:.0f} | "
-                         f"{x['off_over_upstream']:.3f} |")
+        lines += markdown_table("RidgeFill attached but off, against the upstream build (medians, ms):",
+                        ["tokens", "upstream", "attached, off", "off / upstream"],
+                        [[x["tokens"], f"{x['median_upstream_ms']:.0f}", f"{x['median_off_ms']:.0f}",
+                          f"{x['off_over_upstream']:.3f}"] for x in r["off_vs_upstream"]])
     if r.get("ridgefill_vs_upstream"):
-        lines += ["", "RidgeFill against the upstream build's stock prefill (medians, ms; the exact arm above runs on the "
-                  "RidgeFill server between RidgeFill requests):", "",
-                  "| placement | tokens | upstream | RidgeFill | speedup | share of MAC ceiling | exact arm / upstream |",
-                  "|---|---|---|---|---|---|---|"]
-        for x in r["ridgefill_vs_upstream"]:
-            lines.append(f"| {x['placement']} | {x['tokens']} | {x['median_upstream_ms']:.0f} | "
-                         f"{x['median_ridgefill_ms']:.0f} | {x['speedup']:.2f}x | {100 * x['share_of_ceiling']:.0f}% | "
-                         f"{x['exact_over_upstream']:.3f} |")
+        lines += markdown_table("RidgeFill against the upstream build's stock prefill (medians, ms; the exact arm above runs "
+                        "on the RidgeFill server between RidgeFill requests):",
+                        ["placement", "tokens", "upstream", "RidgeFill", "speedup", "share of MAC ceiling",
+                         "exact arm / upstream"],
+                        [[x["placement"], x["tokens"], f"{x['median_upstream_ms']:.0f}",
+                          f"{x['median_ridgefill_ms']:.0f}", f"{x['speedup']:.2f}x",
+                          f"{100 * x['share_of_ceiling']:.0f}%", f"{x['exact_over_upstream']:.3f}"]
+                         for x in r["ridgefill_vs_upstream"]])
     if r.get("stock_warmup"):
         lines += ["", "The stock warm-up request of each server, the only one before any RidgeFill request (ms): "
                   + ", ".join(f"{p} {w['stock_ms']:.0f} at {w['tokens']} tokens" for p, w in r["stock_warmup"].items())

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ridgefill_gguf.bench import DeviceMemory, default_text  # noqa: E402
+from ridgefill_gguf.bench import DeviceMemory, default_text, markdown_table  # noqa: E402
 from ridgefill_gguf.serve import Server  # noqa: E402
 from ridgefill_gguf.util import hardware, write_atomic  # noqa: E402
 
@@ -113,24 +113,22 @@ def main() -> int:
                 requests = run_sequence(srv, mon, tokens, args.tokens, args.small, args.repeats, args.idle)
             result["variants"][name] = {"environment": env or {}, "requests": requests, "median_ms": summary(requests)}
             write_atomic(args.results / f"{stem}.json", json.dumps(result, indent=2) + "\n")
+    phases = ("after-small", "after-full", "after-idle")
     md = [f"# Stock prefill before and after a RidgeFill request: {args.model.name}, {args.tokens} tokens", "",
-          f"{result['date']}; {result['hardware'].get('gpu') or result['hardware']['cpu']}; `{result['command']}`", "",
-          "Median stock prompt time per phase (ms) and its ratio to `fresh` (before any RidgeFill request):", "",
-          "| server | fresh | after a small RidgeFill request | after a full one | after an idle pause |",
-          "|---|---|---|---|---|"]
-    for name, v in result["variants"].items():
-        m = v["median_ms"]
-        md.append(f"| {name} | {m['fresh']:.0f} | " + " | ".join(
-            f"{m[p]:.0f} ({m[p] / m['fresh']:.3f})" for p in ("after-small", "after-full", "after-idle")) + " |")
-    md += ["", "Every request, with the GPU's means while it ran:", "",
-           "| server | phase | request | tokens | prompt (ms) | " + " | ".join(MONITOR) + " |",
-           "|---|---|---|---|---|" + "---|" * len(MONITOR)]
-    for name, v in result["variants"].items():
-        for r in v["requests"]:
-            md.append(f"| {name} | {r['phase']} | {'RidgeFill' if r['ridgefill'] else 'stock'} | {r['tokens']} | "
-                      f"{r['prompt_ms']:.0f} | " + " | ".join(str(r.get(k, "n/a")) for k in MONITOR) + " |")
+          f"{result['date']}; {result['hardware'].get('gpu') or result['hardware']['cpu']}; `{result['command']}`"]
+    medians = markdown_table(
+        "Median stock prompt time per phase (ms) and its ratio to `fresh` (before any RidgeFill request):",
+        ["server", "fresh", "after a small RidgeFill request", "after a full one", "after an idle pause"],
+        [[name, f"{v['median_ms']['fresh']:.0f}",
+          *(f"{v['median_ms'][p]:.0f} ({v['median_ms'][p] / v['median_ms']['fresh']:.3f})" for p in phases)]
+         for name, v in result["variants"].items()])
+    md += medians + markdown_table(
+        "Every request, with the GPU's means while it ran:",
+        ["server", "phase", "request", "tokens", "prompt (ms)", *MONITOR],
+        [[name, r["phase"], "RidgeFill" if r["ridgefill"] else "stock", r["tokens"], f"{r['prompt_ms']:.0f}",
+          *(r.get(k, "n/a") for k in MONITOR)] for name, v in result["variants"].items() for r in v["requests"]])
     write_atomic(args.results / f"{stem}.md", "\n".join(md) + "\n")
-    print("\n".join(md[:6 + len(variants)]))
+    print("\n".join(medians))
     return 0
 
 

@@ -70,7 +70,7 @@ def _parse_base(base: str, name: str) -> Arm:
 # fill=none hides the filled rows inside the prefill only: a token decoded afterwards reads their unwritten
 # late-layer cells (llama.cpp masks cells, not cells per layer). eval needles generates it one prefill per token
 # (Session.ridgefill_greedy); agreement's hundreds of steps would each need a prefill, so it refuses it
-NONE_GENERATES = ("fill 'none' cannot follow a continuation step by step: decode steps after the prefill would read "
+NONE_FOLLOWS = ("fill 'none' cannot follow a continuation step by step: decode steps after the prefill would read "
                   "the filled rows' unwritten late-layer cells; measure it through the prefill's own logits (eval nll) "
                   "or in eval needles, which generates it one prefill per token")
 
@@ -80,7 +80,7 @@ def parse_arms(names: tuple[str, ...] | list[str], follows: bool = False) -> lis
     for name in names:
         arm = parse_arm(name)
         if follows and arm.fill == "none":
-            raise ValueError(f"arm '{name}': {NONE_GENERATES}")
+            raise ValueError(f"arm '{name}': {NONE_FOLLOWS}")
         if arm.random_of and arm.random_of not in seen:
             raise ValueError(f"arm '{name}' matches the count of a '{arm.random_of}' arm, which must come before it")
         seen.add(arm.selector)

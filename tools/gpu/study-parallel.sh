@@ -10,11 +10,12 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
 logs="$work/study/logs" && mkdir -p "$logs"
 [ $# -gt 0 ] || { echo "usage: study-parallel.sh model:instrument[:max_docs[:splits]]..." >&2; exit 2; }
+log_of() { echo "$logs/$(echo "$1" | tr ':,' '-_').log"; }
 NO_PACK=1 bash "$repo/tools/gpu/eval-study.sh" "${1%%:*}" setup
 pids=()
 for job in "$@"; do
     IFS=: read -r which inst docs splits <<< "$job"
-    log="$logs/$(echo "$job" | tr ':,' '-_').log"
+    log=$(log_of "$job")
     echo "== $job (log study/logs/$(basename "$log"))"
     job_splits=${splits//,/ }
     SPLITS=${job_splits:-${SPLITS:-}} NO_PACK=1 MAX_DOCS=${docs:-${MAX_DOCS:-12}} THREADS=${THREADS:-2} \
@@ -24,7 +25,7 @@ done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 for job in "$@"; do
-    echo "== $job"; tail -"${LOG_LINES:-8}" "$logs/$(echo "$job" | tr ':,' '-_').log"
+    echo "== $job"; tail -"${LOG_LINES:-8}" "$(log_of "$job")"
 done
 mkdir -p "${OUT:-$work/out}" && tar -czf "${OUT:-$work/out}/study.tgz" -C "$work" study
 [ "$failed" -eq 0 ] || { echo "study-parallel: $failed job(s) failed (their logs above)" >&2; exit 1; }
