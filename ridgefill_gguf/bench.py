@@ -37,21 +37,26 @@ def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
     return n * n_layer / ((n - t) * split + t * n_layer)
 
 
-def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, has_maps: bool = True) -> float:
-    """Exact prefill's multiply-accumulates over RidgeFill's (causal attention counted at average length).
+def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, has_maps: bool = True,
+                tail: int = 0) -> float:
+    """Exact prefill's multiply-accumulates over RidgeFill's.
 
     RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split)
-    and their K/V projection; exact rows (special, chosen, tail) pay the whole layer."""
+    and their K/V projection; exact rows (special, chosen, tail) pay the whole layer. Causal attention: a row at
+    position p reads p + 1 cells. The last `tail` exact rows are the prompt's last rows, so they read nearly the
+    whole context; the other exact rows are counted at the average length."""
     s = shape
     q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-    proj = s.n_embd * (q + 2 * kv) + q * s.n_embd
-    ffn = 3 * s.n_embd * s.n_ff
-    attn_per_row = 2 * s.n_head * s.head_dim * (n + 1) / 2  # QK and PV over half the context on average
-    full_row = proj + ffn + attn_per_row
-    exact = n * s.n_layer * full_row
+    per_row = s.n_embd * (q + 2 * kv) + q * s.n_embd + 3 * s.n_embd * s.n_ff  # projections and FFN
+    per_cell = 2 * s.n_head * s.head_dim                                       # QK and PV
+    causal_cells = n * (n + 1) / 2                                             # every row of the prompt
+    t = min(tail, n_exact_rows, n)
+    exact_row_cells = (t * n - t * (t - 1) / 2) + (n_exact_rows - t) * (n + 1) / 2
     late = s.n_layer - split
     maps = (late - 1) * s.n_embd * s.n_embd if has_maps else 0
-    rf = n * split * full_row + n_filled * (maps + late * s.n_embd * 2 * kv) + n_exact_rows * late * full_row
+    exact = s.n_layer * (n * per_row + per_cell * causal_cells)
+    rf = (split * (n * per_row + per_cell * causal_cells) + n_filled * (maps + late * s.n_embd * 2 * kv)
+          + late * (n_exact_rows * per_row + per_cell * exact_row_cells))
     return exact / rf
 
 
@@ -210,7 +215,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                     med = {k: statistics.median(s[k] for s in stats) for k in ("early_ms", "fill_ms", "exact_ms")}
                     speedup = statistics.median(exact_ms) / statistics.median(rf_ms)
                     c_layer = layer_ceiling(n, split, st["tail"], shape.n_layer)
-                    c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"])
+                    c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"])
                     rows.append({"placement": placement, "tokens": n, "exact_ms": exact_ms, "ridgefill_ms": rf_ms,
                                  "median_exact_ms": statistics.median(exact_ms),
                                  "median_ridgefill_ms": statistics.median(rf_ms), "speedup": speedup,
@@ -272,6 +277,19 @@ def against_upstream(rows: list[dict], off_rows: list[dict]) -> list[dict]:
                         "share_of_ceiling": speedup / x["ceiling_macs"],
                         "exact_over_upstream": x["median_exact_ms"] / up})
     return out
+
+
+def refresh_ceilings(r: dict) -> dict:
+    """A result's MAC ceilings, and the shares that divide by them, recomputed with mac_ceiling as it is now
+    (results written before 2026-12-01's correction counted the tail's attention at the average length)."""
+    shape = ModelShape(**{"arch": "unknown", **r["shape"]})  # the earliest results did not record the arch
+    for x in r["rows"]:
+        rows = x["rows"]
+        x["ceiling_macs"] = mac_ceiling(shape, x["tokens"], r["split"], rows["filled"], rows["exact"] + rows["tail"],
+                                        tail=rows["tail"])
+        x["share_of_ceiling"] = x["speedup"] / x["ceiling_macs"]
+    r["ridgefill_vs_upstream"] = against_upstream(r["rows"], r.get("off_vs_upstream") or [])
+    return r
 
 
 def build_identity() -> dict:
@@ -363,7 +381,10 @@ def markdown(r: dict) -> str:
     lines = [f"# Time to first token: {Path(r['model']).name}, split {r['split']}, tail {r['tail']}", "",
              f"{r['date']}; {hw.get('gpu') or hw['cpu']}; {hw['cores']} cores; medians of {r['repeats']} "
              "requests per arm, alternating on one server started once per placement, after one warm-up pair"
-             + (f"; environment {', '.join(f'{k}={v}' for k, v in env.items())}" if env else ""), ""]
+             + (f"; environment {', '.join(f'{k}={v}' for k, v in env.items())}" if env else ""), "",
+             "Ceilings: 1/r counts layers (paper §2.5); the MAC ceiling counts multiply-accumulates: the maps, the "
+             "filled rows' K/V projections, and for exact rows the whole layer with causal attention (the tail reads "
+             "its own prefix, nearly the whole context).", ""]
     lines += markdown_table(None, ["placement", "tokens", "exact (ms)", "RidgeFill (ms)", "speedup", "ceiling (MACs)",
                            "ceiling (1/r)", "share of MAC ceiling", "filled / exact / tail rows",
                            "sweep one / fill / exact (ms)"],

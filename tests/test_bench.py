@@ -31,6 +31,27 @@ def test_the_mac_ceiling_is_one_when_nothing_is_filled_and_grows_with_the_filled
     assert 1.0 < low < high < layer_ceiling(16384, 13, 4096, 36) + 1e-9
 
 
+def test_the_mac_ceiling_counts_each_exact_rows_attention_at_its_own_position():
+    # an independent count, row by row: a row at position p reads p + 1 cells in every layer it runs exactly
+    shape = ModelShape("qwen3", 6, 64, 192, 4, 2, 16)
+    n, split, tail, chosen = 300, 2, 40, [0, 17, 150]
+    q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    per_row = shape.n_embd * (q + 2 * kv) + q * shape.n_embd + 3 * shape.n_embd * shape.n_ff
+    layer_row = lambda p: per_row + 2 * q * (p + 1)
+    exact = sum(shape.n_layer * layer_row(p) for p in range(n))
+    late = shape.n_layer - split
+    filled = [p for p in range(n - tail) if p not in chosen]
+    rf = (sum(split * layer_row(p) for p in range(n))
+          + len(filled) * ((late - 1) * shape.n_embd ** 2 + late * shape.n_embd * 2 * kv)
+          + sum(late * layer_row(p) for p in [*range(n - tail, n)]))
+    # the stats give no positions for chosen prefix rows: they are counted at the average length
+    rf += len(chosen) * late * (per_row + 2 * q * (n + 1) / 2)
+    got = mac_ceiling(shape, n, split, len(filled), len(chosen) + tail, tail=tail)
+    assert got == pytest.approx(exact / rf, rel=1e-12)
+    # the tail reads more than the average row: counting it at the average would overstate the ceiling
+    assert got < mac_ceiling(shape, n, split, len(filled), len(chosen) + tail)
+
+
 def test_a_bench_run_writes_json_markdown_and_a_plot_and_records_the_engines_environment(tmp_path, monkeypatch):
     require_builds("ridgefill")
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=2)
