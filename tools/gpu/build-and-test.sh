@@ -15,7 +15,7 @@ tree="$repo/.cache/device/llama.cpp"
 mkdir -p "$work"
 
 # the Python side: carried wheels (gguf, llama-cpp-python bindings, diskcache) and this checkout
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$repo"/.whl/*.whl
+bash "$repo/tools/gpu/site.sh"
 export PYTHONPATH="/tmp/site:$repo" PYTHONUNBUFFERED=1
 
 series=$(cat "$repo"/patches/*.patch | sha256sum | cut -c1-16)
