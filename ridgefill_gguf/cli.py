@@ -575,6 +575,16 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
     return values
 
 
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise click.BadParameter(f"'{text}' is not I/N", param_hint="--shard") from None
+    if not 0 <= i < n:
+        raise click.BadParameter(f"'{text}': I must be in 0..N-1", param_hint="--shard")
+    return i, n
+
+
 @eval_group.command("needles")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--maps", "maps", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
@@ -594,17 +604,19 @@ def _ints(text: str, hint: str) -> tuple[int, ...]:
 @click.option("--format", "fmt", type=click.Choice(["auto", "chat", "completion"]), default="auto",
               show_default=True, help="auto: chat when the model has a chat template")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--shard", default="0/1", show_default=True,
+              help="I/N: only the samples whose index is I modulo N, so N runs into one --out folder share the work")
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
 def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, budget, probe_share, probe_rows, query_rows, fmt,
-                 seed, threads, n_gpu_layers) -> None:
+                 seed, shard, threads, n_gpu_layers) -> None:
     """RULER-style retrieval; accuracy on the samples whose needles lie in the filled region, paired against exact."""
     from .eval.needles import NeedleOptions, run_needles
 
     opts = NeedleOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                          arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
-                         n_gpu_layers=n_gpu_layers,
+                         n_gpu_layers=n_gpu_layers, shard=_shard(shard),
                          selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows, seed))
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import require_builds
+from conftest import ROOT, require_builds
 from ridgefill_gguf.eval.stats import binomial_floor, bootstrap_mean, noninferiority
 from ridgefill_gguf.eval.tokens import key_mask, novel_mask, token_nll
 
@@ -174,6 +176,31 @@ def test_eval_needles_runs_every_arm_none_included_resumes_and_plumb_answers_as_
     run_needles(model, [maps], tmp_path / "out", opts, log=logs.append)
     assert any("resuming, 20 answers done" in line for line in logs)
     assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 20
+
+
+def test_eval_needles_shards_side_by_side_answer_every_sample_once_and_a_whole_pass_only_summarizes(tmp_path):
+    require_builds("ridgefill")
+    model, maps = _tiny_model_and_maps(tmp_path)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ridgefill_gguf.cli", "eval", "needles", str(model), "--maps", str(maps),
+           "--out", str(out), "--tasks", "single", "--lengths", "700", "--samples", "5", "--tail", "128",
+           "--arms", "ridge", "--format", "completion", "-t", "1"]
+    shards = [subprocess.Popen(cmd + ["--shard", f"{i}/2"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for p in shards:
+        log = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, log[-3000:]
+    answers = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((a["sample"], a["arm"]) for a in answers) == sorted(
+        (f"single-700-{i}", arm) for i in range(5) for arm in ("exact", "ridge"))
+    whole = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert "resuming, 10 answers done" in whole.stdout + whole.stderr
+    assert len((out / "results.jsonl").read_text().splitlines()) == 10  # nothing answered twice
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 5
+    assert "| 1 | 128 | all tasks | 5 (" in (out / "summary.md").read_text()
+    bad = subprocess.run(cmd + ["--shard", "2/2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--shard" in bad.stderr
 
 
 def test_arms_name_a_fill_a_selector_or_a_random_control_that_follows_its_selector():

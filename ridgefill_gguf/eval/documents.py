@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -42,8 +43,12 @@ def load_jsonl(path: Path) -> list[dict]:
 
 
 def append_jsonl(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    # one write(2) with O_APPEND: runs side by side (eval needles --shard) append whole lines to one file
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def long_documents(docs: list[str | Path], tokenize: Callable[[str], list[int]], opts: DocumentOptions,

@@ -150,6 +150,7 @@ class NeedleOptions:
     flash_attn: bool = True
     min_prefix: int = 256
     selectors: SelectorOptions = field(default_factory=SelectorOptions)
+    shard: tuple[int, int] = (0, 1)  # (i, n): only the samples whose index is i modulo n
 
 
 def config_name(split: int, tail: int) -> str:
@@ -201,11 +202,11 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
 
     samples: list[Sample] = []
     t0, n_new = time.perf_counter(), 0
-    total = len(opts.tasks) * len(opts.lengths) * opts.samples
+    total = len(opts.tasks) * len(opts.lengths) * len(range(opts.shard[0], opts.samples, opts.shard[1]))
     try:
         for task in opts.tasks:
             for length in opts.lengths:
-                for index in range(opts.samples):
+                for index in range(opts.shard[0], opts.samples, opts.shard[1]):
                     sample, tokens = builder.build(task, length, index, opts.seed)
                     samples.append(sample)
                     # the exact arm once, then per configuration every arm in order (a random arm takes the

@@ -11,7 +11,8 @@
 # this script) bounds the whole call, STEP_TIMEOUT each instrument run; MAX_DOCS the documents of a loss or
 # agreement run; SPLITS, TAILS and LENGTHS subsets of the model's; THREADS the CPU threads of each run (runs side by
 # side share the cores); ARMS (needles only) adds selector arms, e.g.
-# ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8).
+# ARMS=ridge,identity,ridge+probe,ridge+random:probe,identity+probe (issue 8); SHARDS (claim only) runs that many
+# shares of the samples side by side.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
@@ -68,9 +69,19 @@ for inst in $instruments; do
         # samples with only the arm the claim tests, in a folder of their own (the selectors run keeps its arms).
         # SmolLM2 flips about a quarter of its answers either way (exact or not), so its bootstrap bound needs
         # about 350 filled samples to reach -2 even with no mean loss; Qwen flips few and needs the floor's 149.
-        step needles "$model" --maps "$maps/$prefix.S$mid.gguf" --tail 1024 --lengths "$lengths" \
-            --samples "${SAMPLES:-$claim_samples}" --out "$study/claim-$which-S$mid-T1024" -ngl 99 \
-            --arms "${ARMS:-ridge+probe}" ;;
+        # SHARDS=N: N runs side by side into the one folder (the small model leaves the GPU mostly idle), then a
+        # whole pass that finds every answer done and writes the summary
+        claim=(needles "$model" --maps "$maps/$prefix.S$mid.gguf" --tail 1024 --lengths "$lengths"
+               --samples "${SAMPLES:-$claim_samples}" --out "$study/claim-$which-S$mid-T1024" -ngl 99
+               --arms "${ARMS:-ridge+probe}")
+        shards=${SHARDS:-1}
+        if [ "$shards" -gt 1 ]; then
+            for i in $(seq 0 $((shards - 1))); do
+                STEP_LINES=3 step "${claim[@]}" --shard "$i/$shards" &
+            done
+            wait
+        fi
+        step "${claim[@]}" ;;
     setup) ;;  # only the copies above (study-parallel.sh makes them once before its runs start)
     nll|agreement)
         for s in $splits; do for t in $tails; do
