@@ -47,6 +47,24 @@ def test_the_noninferiority_bound_is_the_binomial_floor_when_the_arms_agree_on_e
     assert noninferiority([], 0.02)["n"] == 0 and not noninferiority([], 0.02)["holds"]
 
 
+def test_resampling_within_each_task_keeps_the_task_mix_so_task_differences_add_no_spread():
+    # two tasks whose values differ only between the tasks: every resample within tasks has the same mean
+    values, tasks = [0.0] * 30 + [1.0] * 10, ["single"] * 30 + ["multikey"] * 10
+    within = bootstrap_mean(values, strata=tasks)
+    assert within["lo"] == pytest.approx(within["hi"]) == pytest.approx(0.25)
+    pooled = bootstrap_mean(values)
+    assert pooled["hi"] - pooled["lo"] > 0.2  # resampling across tasks mixes them differently each time
+    # within a task it is the plain bootstrap of that task's values
+    rng = np.random.default_rng(3)
+    x = rng.normal(0.0, 1.0, size=50)
+    one = bootstrap_mean(x, strata=["single"] * 50)
+    assert one["hi"] - one["lo"] == pytest.approx(2 * 1.96 / np.sqrt(50), rel=0.2)
+    # a non-finite value drops with its task label
+    assert bootstrap_mean([np.nan, 0.5, 0.5], strata=["a", "b", "b"])["n"] == 2
+    test = noninferiority(values, 0.02, strata=tasks)
+    assert test["bootstrap_bound"] == pytest.approx(0.25) and test["bound"] == test["floor"]
+
+
 def test_a_token_inside_an_8_token_run_seen_earlier_is_not_novel():
     run = list(range(100, 108))
     tokens = run + [1, 2, 3] + run + [4, 5]

@@ -272,8 +272,10 @@ def summarize(samples: list[Sample], answers: list[dict], splits: dict[str, int]
                     filled_scores = [score[(s.sample_id, cfg, arm)] for s in filled]
                     entry = {"accuracy_all": _mean(all_scores), "accuracy_filled": _mean(filled_scores)}
                     if arm != "exact":
+                        # resampled within each task (paper §3.4)
                         entry["delta_filled"] = bootstrap_mean(
-                            [score[(s.sample_id, name, arm)] - score[(s.sample_id, "exact", "exact")] for s in filled])
+                            [score[(s.sample_id, name, arm)] - score[(s.sample_id, "exact", "exact")] for s in filled],
+                            strata=[s.task for s in filled])
                     row["arms"][arm] = entry
                 table[group] = row
             configs[name] = {"split": split, "tail": tail, "groups": table}

@@ -54,23 +54,30 @@ def collect(root: str | Path) -> dict:
 
 def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, tail: int) -> tuple[dict, dict]:
     """Over the filled-region samples of one configuration: ({"a - b": bootstrap of score(a) - score(b)} for the
-    PAIRS both arms answered, {arm: paper §3.4's test of arm minus exact at the 2-point margin})."""
+    PAIRS both arms answered, {arm: paper §3.4's test of arm minus exact at the 2-point margin, with that Δ}),
+    resampled within each task."""
     filled = [s.sample_id for s in samples if s.filled_region(tail)]
+    task = {s.sample_id: s.task for s in samples}  # paper §3.4 resamples within each task
     exact = {r["sample"]: r["score"] for r in answers if r["config"] == "exact"}
     by_arm: dict[str, dict[str, float]] = defaultdict(dict)  # arm -> sample -> score
     for r in answers:
         if r["config"] == config:
             by_arm[r["arm"]][r["sample"]] = r["score"]
 
-    def paired(a: dict, b: dict) -> list[float]:
-        return [a[sid] - b[sid] for sid in filled if sid in a and sid in b]
+    def paired(a: dict, b: dict) -> tuple[list[float], list[str]]:
+        both = [sid for sid in filled if sid in a and sid in b]
+        return [a[sid] - b[sid] for sid in both], [task[sid] for sid in both]
 
     pairs = {}
     for a, b in PAIRS:
-        d = paired(by_arm.get(a, {}), by_arm.get(b, {}))
+        d, tasks = paired(by_arm.get(a, {}), by_arm.get(b, {}))
         if d:
-            pairs[f"{a} - {b}"] = {"accuracy": bootstrap_mean(d)}
-    test = {arm: noninferiority(paired(scores, exact), MARGIN) for arm, scores in sorted(by_arm.items())}
+            pairs[f"{a} - {b}"] = {"accuracy": bootstrap_mean(d, strata=tasks)}
+    test = {}
+    for arm, scores in sorted(by_arm.items()):
+        d, tasks = paired(scores, exact)
+        # Δ with it, from the same files and resampling (a summary.json may predate the per-task resampling)
+        test[arm] = {**noninferiority(d, MARGIN, strata=tasks), "delta": bootstrap_mean(d, strata=tasks)}
     return pairs, test
 
 
@@ -119,8 +126,9 @@ def markdown(study: dict) -> str:
                         t = x.get("noninferiority", {}).get(arm)
                         test = ["n/a", "n/a"] if not t or not t["n"] else \
                             [f"{100 * t['bound']:+.1f} ({100 * t['floor']:+.1f})", "yes" if t["holds"] else "no"]
+                        delta = (t or {}).get("delta") or a["delta_filled"]
                         lines.append("| " + " | ".join(head + [arm, _pct(a["accuracy_filled"]),
-                                                                _ci(a["delta_filled"], 100, 1)] + test) + " |")
+                                                                _ci(delta, 100, 1)] + test) + " |")
             lines.append("")
         # the document instruments: a row per run and arm
         doc_tables = (("nll", "ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):",

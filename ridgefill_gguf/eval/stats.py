@@ -7,13 +7,13 @@ RESAMPLES = 10_000
 SEED = 0
 
 
-def bootstrap_mean(values, resamples: int = RESAMPLES, seed: int = SEED, level: float = 0.95) -> dict:
+def bootstrap_mean(values, resamples: int = RESAMPLES, seed: int = SEED, level: float = 0.95, strata=None) -> dict:
     """Mean and median of per-sample values (already paired differences), with a percentile interval of the
-    mean from resampling the samples with replacement."""
-    x = _finite(values)
+    mean from resampling the samples with replacement (within each stratum when `strata` names one per value)."""
+    x, st = _finite(values, strata)
     if not len(x):
         return {"n": 0, "mean": None, "median": None, "lo": None, "hi": None}
-    means = _resampled_means(x, resamples, seed)
+    means = _resampled_means(x, resamples, seed, st)
     alpha = (1 - level) / 2
     lo, hi = np.quantile(means, [alpha, 1 - alpha])
     return {"n": int(len(x)), "mean": float(x.mean()), "median": float(np.median(x)), "lo": float(lo),
@@ -26,26 +26,35 @@ def binomial_floor(n: int, alpha: float = 0.05) -> float:
     return -(1.0 - alpha ** (1.0 / n))
 
 
-def noninferiority(values, margin: float, resamples: int = RESAMPLES, seed: int = SEED, alpha: float = 0.05) -> dict:
+def noninferiority(values, margin: float, resamples: int = RESAMPLES, seed: int = SEED, alpha: float = 0.05,
+                   strata=None) -> dict:
     """Paper §3.4's test of arm minus reference (paired per sample): the one-sided (1 - alpha) lower bound is the
     more conservative of the bootstrap bound and the binomial floor; the arm is non-inferior when the bound lies
-    above -margin."""
-    x = _finite(values)
+    above -margin. `strata` (one per value, e.g. the task) resamples within each, as §3.4 does per task."""
+    x, st = _finite(values, strata)
     if not len(x):
         return {"n": 0, "bootstrap_bound": None, "floor": None, "bound": None, "margin": margin, "holds": False}
-    boot = float(np.quantile(_resampled_means(x, resamples, seed), alpha))
+    boot = float(np.quantile(_resampled_means(x, resamples, seed, st), alpha))
     floor = binomial_floor(len(x), alpha)
     bound = min(boot, floor)
     return {"n": int(len(x)), "bootstrap_bound": boot, "floor": floor, "bound": bound, "margin": margin,
             "holds": bool(bound > -margin)}
 
 
-def _finite(values) -> np.ndarray:
+def _finite(values, strata=None) -> tuple[np.ndarray, np.ndarray | None]:
     x = np.asarray(values, dtype=np.float64)
-    return x[np.isfinite(x)]
+    keep = np.isfinite(x)
+    return x[keep], None if strata is None else np.asarray(strata)[keep]
 
 
-def _resampled_means(x: np.ndarray, resamples: int, seed: int) -> np.ndarray:
-    """The means of `resamples` draws of len(x) samples with replacement, from a fixed seed."""
+def _resampled_means(x: np.ndarray, resamples: int, seed: int, strata: np.ndarray | None = None) -> np.ndarray:
+    """The means of `resamples` draws of len(x) samples with replacement, from a fixed seed; with strata, each
+    stratum's samples are drawn from that stratum alone, so every resample keeps the mix (paper §3.4)."""
     rng = np.random.default_rng(seed)
-    return x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
+    if strata is None:
+        return x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
+    total = np.zeros(resamples)
+    for s in sorted(set(strata.tolist())):
+        xs = x[strata == s]
+        total += xs[rng.integers(0, len(xs), size=(resamples, len(xs)))].sum(axis=1)
+    return total / len(x)
