@@ -61,6 +61,9 @@ def test_resampling_within_each_task_keeps_the_task_mix_so_task_differences_add_
     assert one["hi"] - one["lo"] == pytest.approx(2 * 1.96 / np.sqrt(50), rel=0.2)
     # a non-finite value drops with its task label
     assert bootstrap_mean([np.nan, 0.5, 0.5], strata=["a", "b", "b"])["n"] == 2
+    # a stratum of one value cannot vary, so the strata are not used and the interval stays honest
+    lone = bootstrap_mean(values + [5.0], strata=tasks + ["multiquery"])
+    assert lone == bootstrap_mean(values + [5.0]) and lone["hi"] - lone["lo"] > 0.2
     test = noninferiority(values, 0.02, strata=tasks)
     assert test["bootstrap_bound"] == pytest.approx(0.25) and test["bound"] == test["floor"]
 
@@ -323,8 +326,9 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
 
     rng = np.random.default_rng(0)
     for split in (9, 12):
-        rows = [{"delta": {arm: {k: float(rng.normal(0.1 * split, 0.01)) for k in nll.KINDS} for arm in nll.ARMS}}
-                for _ in range(4)]
+        rows = [{"name": f"/corpus/{('chat', 'code')[i % 2]}/d{i}.txt",
+                 "delta": {arm: {k: float(rng.normal(0.1 * split, 0.01)) for k in nll.KINDS} for arm in nll.ARMS}}
+                for i in range(4)]
         out = tmp_path / "study" / f"nll-S{split}"
         out.mkdir(parents=True)
         (out / "documents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..util import hardware, save_figure
 from .arms import parse_arms, run_arms
-from .documents import DocumentOptions, append_jsonl, load_jsonl, long_documents, write_summary
+from .documents import DocumentOptions, append_jsonl, domain, load_jsonl, long_documents, write_summary
 from .stats import bootstrap_mean
 
 
@@ -85,13 +85,19 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
     finally:
         sess.close()
     rows = list(done.values())
-    summary = {arm: {"kl": bootstrap_mean([r["arms"][arm]["kl"] for r in rows]),
-                     "top1": bootstrap_mean([r["arms"][arm]["top1"] for r in rows])} for arm in opts.arms}
+    summary = summarize(rows, opts.arms)
     result = {"instrument": "eval agreement", "date": dt.date.today().isoformat(), "hardware": hardware(),
               "model": str(model), "maps": str(maps), "split": split, "options": asdict(opts),
               "documents": len(rows), "summary": summary}
     write_summary(out_dir, result, markdown(result, rows), plot)
     return result
+
+
+def summarize(rows: list[dict], arms) -> dict:
+    """Per arm: mean KL and top-1 agreement over documents, resampled within each domain."""
+    domains = [domain(r["name"]) for r in rows]
+    return {arm: {"kl": bootstrap_mean([r["arms"][arm]["kl"] for r in rows], strata=domains),
+                  "top1": bootstrap_mean([r["arms"][arm]["top1"] for r in rows], strata=domains)} for arm in arms}
 
 
 def markdown(result: dict, rows: list[dict]) -> str:

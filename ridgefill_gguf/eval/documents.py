@@ -42,6 +42,12 @@ def load_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def domain(name: str) -> str:
+    """A document's domain: the folder it sits in (the corpus keeps one folder per domain); paper §3.4 resamples
+    documents within each."""
+    return Path(name).parent.name
+
+
 def append_jsonl(path: Path, row: dict) -> None:
     # one write(2) with O_APPEND: runs side by side (eval needles --shard) append whole lines to one file
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -14,8 +14,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..util import save_figure, write_atomic
-from .documents import load_jsonl
+from .agreement import summarize as summarize_agreement
+from .documents import domain, load_jsonl
 from .needles import Sample
+from .nll import summarize as summarize_nll
 from .stats import bootstrap_mean, noninferiority
 
 MARGIN = 0.02  # paper §3.4: non-inferiority to exact on filled-region retrieval, 2 points
@@ -38,8 +40,10 @@ def collect(root: str | Path) -> dict:
         kind = r.get("instrument", "").removeprefix("eval ")
         if kind in ("nll", "agreement"):
             docs = load_jsonl(path.parent / "documents.jsonl")
+            # from the per-document file, so every run is resampled the same way (within each domain)
+            summary = (summarize_nll if kind == "nll" else summarize_agreement)(docs, list(r["summary"]))
             runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
-                                     "summary": r["summary"], "pairs": document_pairs(kind, docs),
+                                     "summary": summary, "pairs": document_pairs(kind, docs),
                                      "path": str(path.parent)})
         elif kind == "needles":
             samples = [Sample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
@@ -82,19 +86,19 @@ def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, ta
 
 
 def document_pairs(kind: str, docs: list[dict]) -> dict:
-    """{"a - b": {measure: bootstrap of the per-document difference}} for nll (ΔNLL on all, novel and key tokens)
-    and agreement (KL and top-1)."""
+    """{"a - b": {measure: bootstrap of the per-document difference, within each domain}} for nll (ΔNLL on all,
+    novel and key tokens) and agreement (KL and top-1)."""
     out = {}
     for a, b in PAIRS:
-        if kind == "nll":
-            rows = [d["delta"] for d in docs if a in d["delta"] and b in d["delta"]]
-            measures = {k: [r[a][k] - r[b][k] for r in rows if r[a][k] is not None and r[b][k] is not None]
-                        for k in ("all", "novel", "key")}
-        else:
-            rows = [d["arms"] for d in docs if a in d["arms"] and b in d["arms"]]
-            measures = {k: [r[a][k] - r[b][k] for r in rows] for k in ("kl", "top1")}
+        field = "delta" if kind == "nll" else "arms"
+        rows = [d for d in docs if a in d[field] and b in d[field]]
+        measures = {}
+        for k in (("all", "novel", "key") if kind == "nll" else ("kl", "top1")):
+            kept = [d for d in rows if d[field][a][k] is not None and d[field][b][k] is not None]
+            measures[k] = bootstrap_mean([d[field][a][k] - d[field][b][k] for d in kept],
+                                         strata=[domain(d["name"]) for d in kept])
         if rows:
-            out[f"{a} - {b}"] = {k: bootstrap_mean(v) for k, v in measures.items()}
+            out[f"{a} - {b}"] = measures
     return out
 
 

@@ -51,10 +51,12 @@ def _resampled_means(x: np.ndarray, resamples: int, seed: int, strata: np.ndarra
     """The means of `resamples` draws of len(x) samples with replacement, from a fixed seed; with strata, each
     stratum's samples are drawn from that stratum alone, so every resample keeps the mix (paper §3.4)."""
     rng = np.random.default_rng(seed)
-    if strata is None:
+    labels = [] if strata is None else sorted(set(strata.tolist()))
+    # a stratum of one value would never vary and narrow the interval: then resample across strata
+    if strata is None or any(np.count_nonzero(strata == s) < 2 for s in labels):
         return x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
     total = np.zeros(resamples)
-    for s in sorted(set(strata.tolist())):
+    for s in labels:
         xs = x[strata == s]
         total += xs[rng.integers(0, len(xs), size=(resamples, len(xs)))].sum(axis=1)
     return total / len(x)
