@@ -31,18 +31,34 @@ from .util import hardware, save_figure, write_atomic
 SHAPE_FIELDS = ("arch", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim")
 
 
+# where the maps live; "resident:identity" and "resident:none" time the fill without its map and without any
+# fill (a profile of the fill phase: their differences are the map's and the K/V projections' cost)
+PLACEMENTS = ("resident", "streamed")
+FILL_VARIANTS = ("identity", "none")
+
+
+def split_placement(placement: str) -> tuple[str, str]:
+    """("resident", "ridge") for "resident"; ("resident", "none") for "resident:none"."""
+    where, _, fill = placement.partition(":")
+    if where not in PLACEMENTS or (fill and fill not in FILL_VARIANTS):
+        raise ValueError(f"placement '{placement}': one of {', '.join(PLACEMENTS)}, optionally with "
+                         f":{' or :'.join(FILL_VARIANTS)}")
+    return where, fill or "ridge"
+
+
 def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
     """1/r with r = ((N-T)·S + T·L) / (N·L) (paper §2.5)."""
     t = min(tail, n)
     return n * n_layer / ((n - t) * split + t * n_layer)
 
 
-def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, has_maps: bool = True,
-                tail: int = 0) -> float:
+def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
+                fill: str = "ridge") -> float:
     """Exact prefill's multiply-accumulates over RidgeFill's.
 
     RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split)
-    and their K/V projection; exact rows (special, chosen, tail) pay the whole layer. Causal attention: a row at
+    and their K/V projection (`fill` identity: no map; none: neither); exact rows (special, chosen, tail) pay the
+    whole layer. Causal attention: a row at
     position p reads p + 1 cells. The last `tail` exact rows are the prompt's last rows, so they read nearly the
     whole context; the other exact rows are counted at the average length."""
     s = shape
@@ -53,9 +69,10 @@ def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_ro
     t = min(tail, n_exact_rows, n)
     exact_row_cells = (t * n - t * (t - 1) / 2) + (n_exact_rows - t) * (n + 1) / 2
     late = s.n_layer - split
-    maps = (late - 1) * s.n_embd * s.n_embd if has_maps else 0
+    maps = (late - 1) * s.n_embd * s.n_embd if fill == "ridge" else 0
+    kv_fill = late * s.n_embd * 2 * kv if fill != "none" else 0
     exact = s.n_layer * (n * per_row + per_cell * causal_cells)
-    rf = (split * (n * per_row + per_cell * causal_cells) + n_filled * (maps + late * s.n_embd * 2 * kv)
+    rf = (split * (n * per_row + per_cell * causal_cells) + n_filled * (maps + kv_fill)
           + late * (n_exact_rows * per_row + per_cell * exact_row_cells))
     return exact / rf
 
@@ -183,8 +200,9 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
 
     with DeviceMemory() as mem:
         for placement in placements:
-            with Server(model, maps, tail=tail, placement=placement, min_prefix=min_prefix,
-                        log_path=out_dir / f"server-{placement}.log", **common) as srv:
+            where, fill = split_placement(placement)
+            with Server(model, maps, tail=tail, placement=where, fill=fill, min_prefix=min_prefix,
+                        log_path=out_dir / f"server-{placement.replace(':', '-')}.log", **common) as srv:
                 commands[placement] = " ".join(srv.command)
                 builds[placement] = srv.get("/props").get("build_info")
                 by_n = prompts(srv)
@@ -215,7 +233,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                     med = {k: statistics.median(s[k] for s in stats) for k in ("early_ms", "fill_ms", "exact_ms")}
                     speedup = statistics.median(exact_ms) / statistics.median(rf_ms)
                     c_layer = layer_ceiling(n, split, st["tail"], shape.n_layer)
-                    c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"])
+                    c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
+                                        fill=fill)
                     rows.append({"placement": placement, "tokens": n, "exact_ms": exact_ms, "ridgefill_ms": rf_ms,
                                  "median_exact_ms": statistics.median(exact_ms),
                                  "median_ridgefill_ms": statistics.median(rf_ms), "speedup": speedup,
@@ -286,7 +305,7 @@ def refresh_ceilings(r: dict) -> dict:
     for x in r["rows"]:
         rows = x["rows"]
         x["ceiling_macs"] = mac_ceiling(shape, x["tokens"], r["split"], rows["filled"], rows["exact"] + rows["tail"],
-                                        tail=rows["tail"])
+                                        tail=rows["tail"], fill=split_placement(x["placement"])[1])
         x["share_of_ceiling"] = x["speedup"] / x["ceiling_macs"]
     r["ridgefill_vs_upstream"] = against_upstream(r["rows"], r.get("off_vs_upstream") or [])
     return r

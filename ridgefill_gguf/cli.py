@@ -429,8 +429,11 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, b
 @click.option("--lengths", "--tokens", "lengths", default="8k,16k", show_default=True,
               help="prompt lengths in tokens, comma-separated (16k = 16384)")
 @click.option("--tail", default=1024, show_default=True)
-@click.option("--placement", "placements", multiple=True, type=click.Choice(["resident", "streamed"]),
-              help="repeatable (default: resident)")
+@click.option("--placement", "placements", multiple=True,
+              type=click.Choice(["resident", "streamed", "resident:identity", "resident:none", "streamed:identity",
+                                 "streamed:none"]),
+              help="repeatable (default: resident); ':identity' and ':none' time the fill without its map and "
+                   "without any fill, a profile of the fill phase")
 @click.option("--repeats", default=3, show_default=True, help="timed requests per arm and length")
 @click.option("-ngl", "--n-gpu-layers", type=int, default=None)
 @click.option("-t", "--threads", type=int, default=None)

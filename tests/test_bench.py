@@ -52,6 +52,32 @@ def test_the_mac_ceiling_counts_each_exact_rows_attention_at_its_own_position():
     assert got < mac_ceiling(shape, n, split, len(filled), len(chosen) + tail)
 
 
+def test_the_fill_variants_drop_the_maps_and_then_the_kv_projections_from_the_count():
+    shape = ModelShape("qwen3", 36, 4096, 12288, 32, 8, 128)
+    ridge, identity, none = (mac_ceiling(shape, 32768, 13, 28671, 4097, tail=4096, fill=f)
+                             for f in ("ridge", "identity", "none"))
+    assert 1.0 < ridge < identity < none
+
+
+def test_a_bench_placement_with_a_fill_variant_starts_its_server_with_that_fill(tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.bench import split_placement
+
+    assert split_placement("resident") == ("resident", "ridge")
+    assert split_placement("streamed:identity") == ("streamed", "identity")
+    with pytest.raises(ValueError, match="placement 'resident:magic'"):
+        split_placement("resident:magic")
+    model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=2)
+    maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
+    r = run_bench(model, maps, [300], tail=64, repeats=1, threads=2, out_dir=tmp_path / "out", label="variants",
+                  placements=("resident", "resident:none"), min_prefix=0, log=lambda s: None)
+    assert "--ridgefill-fill none" in r["server_commands"]["resident:none"]
+    assert "--ridgefill-fill ridge" in r["server_commands"]["resident"]
+    plain, none = r["rows"]
+    assert none["placement"] == "resident:none" and none["ceiling_macs"] > plain["ceiling_macs"]
+    assert (tmp_path / "out" / "server-resident-none.log").exists()
+
+
 def test_a_bench_run_writes_json_markdown_and_a_plot_and_records_the_engines_environment(tmp_path, monkeypatch):
     require_builds("ridgefill")
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=2)
