@@ -18,8 +18,7 @@ import numpy as np
 
 from ..util import hardware, save_figure
 from .arms import parse_arms, run_arms
-from .documents import DocumentOptions, append_jsonl, domain, load_jsonl, long_documents, write_summary
-from .stats import bootstrap_mean
+from .documents import DocumentOptions, append_jsonl, document_mean, load_jsonl, long_documents, write_summary
 
 
 
@@ -95,9 +94,7 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
 
 def summarize(rows: list[dict], arms) -> dict:
     """Per arm: mean KL and top-1 agreement over documents, resampled within each domain."""
-    domains = [domain(r["name"]) for r in rows]
-    return {arm: {"kl": bootstrap_mean([r["arms"][arm]["kl"] for r in rows], strata=domains),
-                  "top1": bootstrap_mean([r["arms"][arm]["top1"] for r in rows], strata=domains)} for arm in arms}
+    return {arm: {k: document_mean(rows, lambda r: r["arms"][arm][k]) for k in ("kl", "top1")} for arm in arms}
 
 
 def markdown(result: dict, rows: list[dict]) -> str:

@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 from ..fit.capture import Document, iter_documents
 from ..util import write_atomic
 from .arms import SelectorOptions
+from .stats import bootstrap_mean
 
 
 @dataclass
@@ -46,6 +47,12 @@ def domain(name: str) -> str:
     """A document's domain: the folder it sits in (the corpus keeps one folder per domain); paper §3.4 resamples
     documents within each."""
     return Path(name).parent.name
+
+
+def document_mean(rows: list[dict], value: Callable[[dict], float | None]) -> dict:
+    """bootstrap_mean of value(row) over the per-document rows that have one, resampled within each domain."""
+    kept = [(v, domain(r["name"])) for r in rows if (v := value(r)) is not None]
+    return bootstrap_mean([v for v, _ in kept], strata=[d for _, d in kept])
 
 
 def append_jsonl(path: Path, row: dict) -> None:

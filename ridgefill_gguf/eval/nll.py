@@ -20,8 +20,7 @@ import numpy as np
 
 from ..util import hardware, save_figure
 from .arms import parse_arms, run_arms
-from .documents import DocumentOptions, append_jsonl, domain, load_jsonl, long_documents, write_summary
-from .stats import bootstrap_mean
+from .documents import DocumentOptions, append_jsonl, document_mean, load_jsonl, long_documents, write_summary
 from .tokens import key_mask, novel_mask, token_nll
 
 ARMS = ("ridge", "identity", "none")
@@ -54,13 +53,7 @@ def doc_result(doc_id: str, name: str, tokens: list[int], nll: dict[str, np.ndar
 
 def summarize(rows: list[dict], arms) -> dict:
     """Per arm and token kind: the mean ΔNLL over documents, resampled within each domain."""
-    out = {}
-    for arm in arms:
-        out[arm] = {}
-        for k in KINDS:
-            kept = [r for r in rows if r["delta"][arm][k] is not None]
-            out[arm][k] = bootstrap_mean([r["delta"][arm][k] for r in kept], strata=[domain(r["name"]) for r in kept])
-    return out
+    return {arm: {k: document_mean(rows, lambda r: r["delta"][arm][k]) for k in KINDS} for arm in arms}
 
 
 def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir: str | Path, opts: NllOptions,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..util import save_figure, write_atomic
 from .agreement import summarize as summarize_agreement
-from .documents import domain, load_jsonl
+from .documents import document_mean, load_jsonl
 from .needles import Sample
 from .nll import summarize as summarize_nll
 from .stats import bootstrap_mean, noninferiority
@@ -92,13 +92,14 @@ def document_pairs(kind: str, docs: list[dict]) -> dict:
     for a, b in PAIRS:
         field = "delta" if kind == "nll" else "arms"
         rows = [d for d in docs if a in d[field] and b in d[field]]
-        measures = {}
-        for k in (("all", "novel", "key") if kind == "nll" else ("kl", "top1")):
-            kept = [d for d in rows if d[field][a][k] is not None and d[field][b][k] is not None]
-            measures[k] = bootstrap_mean([d[field][a][k] - d[field][b][k] for d in kept],
-                                         strata=[domain(d["name"]) for d in kept])
+
+        def diff(d: dict, k: str) -> float | None:
+            x, y = d[field][a][k], d[field][b][k]
+            return None if x is None or y is None else x - y
+
         if rows:
-            out[f"{a} - {b}"] = measures
+            out[f"{a} - {b}"] = {k: document_mean(rows, lambda d: diff(d, k))
+                                 for k in (("all", "novel", "key") if kind == "nll" else ("kl", "top1"))}
     return out
 
 
