@@ -58,9 +58,9 @@ def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_ro
 
     RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split)
     and their K/V projection (`fill` identity: no map; none: neither); exact rows (special, chosen, tail) pay the
-    whole layer. Causal attention: a row at
-    position p reads p + 1 cells. The last `tail` exact rows are the prompt's last rows, so they read nearly the
-    whole context; the other exact rows are counted at the average length."""
+    whole layer. Causal attention: a row at position p reads p + 1 cells. The last `tail` exact rows are the
+    prompt's last rows, so they read nearly the whole context; the other exact rows are counted at the average
+    length."""
     s = shape
     q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     per_row = s.n_embd * (q + 2 * kv) + q * s.n_embd + 3 * s.n_embd * s.n_ff  # projections and FFN
