@@ -52,9 +52,9 @@ def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
     return n * n_layer / ((n - t) * split + t * n_layer)
 
 
-def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
-                fill: str = "ridge") -> float:
-    """Exact prefill's multiply-accumulates over RidgeFill's.
+def mac_counts(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
+               fill: str = "ridge") -> dict[str, float]:
+    """Multiply-accumulates of exact prefill ("stock") and of RidgeFill's three phases ("early", "fill", "exact").
 
     RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split)
     and their K/V projection (`fill` identity: no map; none: neither); exact rows (special, chosen, tail) pay the
@@ -71,10 +71,17 @@ def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_ro
     late = s.n_layer - split
     maps = (late - 1) * s.n_embd * s.n_embd if fill == "ridge" else 0
     kv_fill = late * s.n_embd * 2 * kv if fill != "none" else 0
-    exact = s.n_layer * (n * per_row + per_cell * causal_cells)
-    rf = (split * (n * per_row + per_cell * causal_cells) + n_filled * (maps + kv_fill)
-          + late * (n_exact_rows * per_row + per_cell * exact_row_cells))
-    return exact / rf
+    return {"stock": s.n_layer * (n * per_row + per_cell * causal_cells),
+            "early": split * (n * per_row + per_cell * causal_cells),
+            "fill": n_filled * (maps + kv_fill),
+            "exact": late * (n_exact_rows * per_row + per_cell * exact_row_cells)}
+
+
+def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
+                fill: str = "ridge") -> float:
+    """Exact prefill's multiply-accumulates over RidgeFill's (mac_counts)."""
+    c = mac_counts(shape, n, split, n_filled, n_exact_rows, tail, fill)
+    return c["stock"] / (c["early"] + c["fill"] + c["exact"])
 
 
 class DeviceMemory:

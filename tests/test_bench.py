@@ -78,6 +78,26 @@ def test_a_bench_placement_with_a_fill_variant_starts_its_server_with_that_fill(
     assert (tmp_path / "out" / "server-resident-none.log").exists()
 
 
+def test_the_phase_table_splits_ridgefills_time_into_phases_that_add_up_and_ceiling_shares():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_phases", ROOT / "tools" / "bench_phases.py")
+    phases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(phases)
+    stem = ROOT / "results" / "bench" / "2026-12-01-qwen3-8b-q8_0-shape-h200-patch0018"
+    r = json.loads(stem.with_suffix(".json").read_text())
+    totals = phases.engine_totals(stem.with_suffix(".server.log"), r["repeats"])
+    assert set(totals) == {16384, 32768, 65536}  # the warm-up's length keeps only its timed requests
+    resident = [x for x in r["rows"] if x["placement"] == "resident"]
+    for row, x in zip(phases.phase_rows(r, totals, "resident"), resident):
+        num = lambda cell: float(cell.split(" ")[0].replace(",", ""))
+        measured = sum(num(c) for c in row[2:7])  # three phases, the rest of the prefill, after it
+        assert measured == pytest.approx(x["median_ridgefill_ms"], abs=3)  # rounded cells
+        ideal = float(row[1].split("(")[1].rstrip(")").replace(",", ""))
+        up = next(u["median_upstream_ms"] for u in r["off_vs_upstream"] if u["tokens"] == x["tokens"])
+        assert ideal == pytest.approx(up / x["ceiling_macs"], abs=1)
+
+
 def test_a_bench_run_writes_json_markdown_and_a_plot_and_records_the_engines_environment(tmp_path, monkeypatch):
     require_builds("ridgefill")
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=2)
