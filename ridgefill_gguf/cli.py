@@ -477,12 +477,15 @@ def _run_instrument(run, *args, out_dir: Path) -> None:
 
 
 def _selector_options(f):
-    """--exact-share, --budget, --probe-share, --probe-rows, --query-rows: how the fill+selector arms choose rows."""
+    """--exact-share, --budget, --whole-numbers, --probe-share, --probe-rows, --query-rows: how the fill+selector arms
+    choose rows."""
     for option in reversed([
         click.option("--exact-share", default=0.1, show_default=True,
                      help="share of the prefix the attention selector keeps exact"),
         click.option("--budget", default=1.0, show_default=True,
                      help="the probe's budget factor: E = budget x the rows the base rules count (paper §2.4)"),
+        click.option("--whole-numbers/--no-whole-numbers", default=True, show_default=True,
+                     help="with the budget, a number the probe keeps exact in part runs exactly whole"),
         click.option("--probe-share", type=float, default=None,
                      help="a fixed share of the prefix for the probe instead of the budget"),
         click.option("--probe-rows", default=256, show_default=True, help="the probe's rows (the prompt's last)"),
@@ -492,12 +495,12 @@ def _selector_options(f):
     return f
 
 
-def _selectors(exact_share: float, budget: float, probe_share: float | None, probe_rows: int, query_rows: int,
-               seed: int = 0):
+def _selectors(exact_share: float, budget: float, whole_numbers: bool, probe_share: float | None, probe_rows: int,
+               query_rows: int, seed: int = 0):
     from .eval.arms import SelectorOptions
 
-    return SelectorOptions(exact_share=exact_share, budget=budget, probe_share=probe_share, probe_rows=probe_rows,
-                           query_rows=query_rows, seed=seed)
+    return SelectorOptions(exact_share=exact_share, budget=budget, whole_numbers=whole_numbers,
+                           probe_share=probe_share, probe_rows=probe_rows, query_rows=query_rows, seed=seed)
 
 
 def _document_options(default_arms: str):
@@ -533,13 +536,13 @@ def _with_document_options(f, default_arms: str):
 @_document_options("ridge,identity,none")
 @click.option("--score", default=512, show_default=True, help="the last tokens of each document that are scored")
 def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_tokens, max_docs, threads,
-             n_gpu_layers, exact_share, budget, probe_share, probe_rows, query_rows) -> None:
+             n_gpu_layers, exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows) -> None:
     """ΔNLL (arm minus exact) on all, novel and key tokens of long documents, with bootstrap intervals."""
     from .eval.nll import NllOptions, run_nll
 
     opts = NllOptions(arms=_arms(arms, selectors=True), tail=tail, score=score, min_tokens=min_tokens,
                       max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
-                      selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows))
+                      selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows))
     _run_instrument(run_nll, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 
@@ -611,8 +614,8 @@ def _shard(text: str) -> tuple[int, int]:
               help="I/N: only the samples whose index is I modulo N, so N runs into one --out folder share the work")
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
-def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, budget, probe_share, probe_rows, query_rows, fmt,
-                 seed, shard, threads, n_gpu_layers) -> None:
+def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, budget, whole_numbers,
+                 probe_share, probe_rows, query_rows, fmt, seed, shard, threads, n_gpu_layers) -> None:
     """RULER-style retrieval; accuracy on the samples whose needles lie in the filled region, paired against exact."""
     from .eval.needles import NeedleOptions, run_needles
 
@@ -620,7 +623,8 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                          arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers, shard=_shard(shard),
-                         selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows, seed))
+                         selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
+                                              seed))
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
 
 
@@ -628,14 +632,16 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 @_document_options("ridge,identity")
 @click.option("--continue-tokens", default=256, show_default=True, help="length of the exact greedy continuation")
 def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_tokens, max_tokens, max_docs,
-                   threads, n_gpu_layers, exact_share, budget, probe_share, probe_rows, query_rows) -> None:
+                   threads, n_gpu_layers, exact_share, budget, whole_numbers, probe_share, probe_rows,
+                   query_rows) -> None:
     """KL(exact || arm) and top-1 agreement along the exact greedy continuation, with bootstrap intervals."""
     from .eval.agreement import AgreementOptions, run_agreement
 
     opts = AgreementOptions(arms=_arms(arms, selectors=True, follows=True), tail=tail,
                             continue_tokens=continue_tokens, min_tokens=min_tokens, max_tokens=max_tokens,
                             max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
-                            selectors=_selectors(exact_share, budget, probe_share, probe_rows, query_rows))
+                            selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows,
+                                                 query_rows))
     _run_instrument(run_agreement, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 

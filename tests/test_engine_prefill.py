@@ -404,8 +404,8 @@ BUDGET_TEXT = ("The river bends twice before it reaches the old mill by the brid
                "Which locker code opens the blue heron exhibit?")
 
 
-def run_rules_arm(arch, deep_tiny, tmp_path, params: dict, session=TIGHT):
-    """One ridge prefill of BUDGET_TEXT with maps that carry a token frequency table; returns (the prefill's
+def run_rules_arm(arch, deep_tiny, tmp_path, params: dict, session=TIGHT, prompt=BUDGET_TEXT):
+    """One ridge prefill of the prompt (BUDGET_TEXT) with maps that carry a token frequency table; returns (the prefill's
     tokens, pieces, breaks, the frequency table, the prefill's logits, its stats, NumPy reference, maps)."""
     from ridgefill_gguf.select.unigrams import with_token_freq
 
@@ -416,7 +416,7 @@ def run_rules_arm(arch, deep_tiny, tmp_path, params: dict, session=TIGHT):
     runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "chunk": 48, "min_prefix": 0,
                                        "exact_rows": [], **params}}]
     spec_session = {**session, "maps": str(freq_maps)}
-    arrays, stats = run_engine(model, freq_maps, runs, session=spec_session, tmp_path=tmp_path, prompt=BUDGET_TEXT,
+    arrays, stats = run_engine(model, freq_maps, runs, session=spec_session, tmp_path=tmp_path, prompt=prompt,
                                pieces=True)
     tokens = arrays["tokens"].tolist()
     pieces = [bytes.fromhex(p) for p in stats["_prompt"]["pieces"]]
@@ -435,13 +435,16 @@ def test_the_budgeted_probe_counts_e_from_the_base_rules_keeps_lexical_rows_and_
     check_budgeted_probe(arch, deep_tiny, tmp_path)
 
 
-def check_budgeted_probe(arch, deep_tiny, tmp_path, session=TIGHT, tolerance=2e-5):
-    """The default selector's E, lexical rows and probe ranking equal the Python rules and NumPy."""
+def check_budgeted_probe(arch, deep_tiny, tmp_path, session=TIGHT, tolerance=2e-5, prompt_text=BUDGET_TEXT,
+                         whole_numbers=True) -> set[int]:
+    """The default selector's E, lexical rows, probe ranking and whole numbers equal the Python rules and NumPy.
+    Returns the rows it added to keep numbers whole."""
     from ridgefill_gguf.select import rules
 
     n_probe, n_query, factor = 16, 24, 1.0
     tokens, pieces, breaks, freq, logits, st, ref, mats = run_rules_arm(
-        arch, deep_tiny, tmp_path, {"probe_budget": [n_probe, factor], "attention": [n_query, 0.0, [0]]}, session)
+        arch, deep_tiny, tmp_path, {"probe_budget": [n_probe, factor], "attention": [n_query, 0.0, [0]],
+                                    "whole_numbers": whole_numbers}, session, prompt_text)
     prompt = tokens[:-1]  # the last token follows through llama_decode
     n, prefix = len(prompt), len(tokens) - SELECTOR_TAIL
     pieces, breaks = pieces[:n], breaks[:n]
@@ -461,9 +464,30 @@ def check_budgeted_probe(arch, deep_tiny, tmp_path, session=TIGHT, tolerance=2e-
     score = ref.probe_scores(prompt, SPLIT, SELECTOR_TAIL - 1, n_probe, mats, exact=lexical)
     ranked = sorted(set(range(1, prefix)) - lexical, key=lambda r: (-score[r], r))
     chosen = set(ranked[:e - len(lexical)])
-    assert st["exact_rows"] == sorted(special | lexical | chosen) and st["n_probe_exact"] == len(chosen)
-    expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, lexical | chosen)[-1]
+    whole = set(rules.whole_number_rows(digits, special | lexical | chosen)) if whole_numbers else set()
+    assert st["exact_rows"] == sorted(special | lexical | chosen | whole) and st["n_probe_exact"] == len(chosen)
+    assert st["n_whole_numbers"] == len(whole)
+    expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, lexical | chosen | whole)[-1]
     assert np.abs(logits - expected).max() / np.abs(expected).max() < tolerance
+    return whole
+
+
+NUMBERS_TEXT = ("The river bends twice before it reaches the old mill by the bridge. " * 3 +
+                "".join(f"Locker {k} opens with code {c}, stamped {d}. " for k, c, d in
+                        [(31, 904417725513, 1887), (57, 662019384455, 1902), (83, 170034982216, 1931)]) +
+                "The river bends twice before it reaches the old mill by the bridge. " * 3 +
+                "Locker 57 opens with which code?")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_number_the_budgeted_probe_keeps_in_part_runs_exactly_whole(arch, deep_tiny, tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.select import rules
+
+    assert not check_budgeted_probe(arch, deep_tiny, tmp_path / "off", prompt_text=NUMBERS_TEXT, whole_numbers=False)
+    whole = check_budgeted_probe(arch, deep_tiny, tmp_path / "on", prompt_text=NUMBERS_TEXT)
+    assert whole, "the prompt should leave some number exact in part"
+    assert rules.whole_number_rows([3, 4, 5, 9, 10, 12], {4, 12}) == [3, 5]  # runs 3-5 and 12 touched, 9-10 not
 
 
 @pytest.mark.parametrize("share", [0.25, 0.1])

@@ -141,6 +141,15 @@ def test_a_sample_is_filled_region_only_when_every_needle_lies_before_the_tail()
     assert Sample("a", "single", 10, 10, ["1"], [[8, 10]], "x").filled_region(0)
 
 
+def test_a_sample_counts_per_needle_the_rows_that_ran_exactly():
+    from ridgefill_gguf.eval.needles import Sample
+
+    s = Sample("multivalue-4096-0", "multivalue", 4096, 4000, ["1", "2"], [[100, 104], [200, 203]], "x")
+    assert s.needle_rows_exact([0, 99, 100, 103, 104, 201, 3000], 3000) == [2, 1]  # ends are exclusive
+    assert s.needle_rows_exact([], 3000) == [0, 0]
+    assert s.needle_rows_exact([100], 201) == [1, 2]  # rows from the tail's first on ran exactly
+
+
 def test_needle_prompts_have_the_asked_length_and_put_each_needle_where_the_sample_says():
     from ridgefill_gguf.eval.needles import TASKS, PromptBuilder
 
@@ -296,6 +305,8 @@ def test_eval_needles_runs_a_selector_and_its_count_matched_random_control(tmp_p
     run_needles(model, [maps], tmp_path / "out", opts, log=lambda _: None)
     answers = {(a["sample"], a["arm"]): a for a in
                map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    samples = {s["sample_id"]: s
+               for s in map(json.loads, (tmp_path / "out" / "samples.jsonl").read_text().splitlines())}
     for i in range(2):
         probe, rand = answers[(f"single-700-{i}", "ridge+probe")], answers[(f"single-700-{i}", "ridge+random:probe")]
         chosen = probe["stats"]["n_probe_exact"]
@@ -303,6 +314,14 @@ def test_eval_needles_runs_a_selector_and_its_count_matched_random_control(tmp_p
         assert rand["stats"]["n_exact"] - rand["stats"]["n_special"] == chosen
         # the plain arm after them runs without a selector: the engine's parameters were reset
         assert answers[(f"single-700-{i}", "ridge")]["stats"]["n_exact"] == probe["stats"]["n_special"]
+        # per needle, the rows that ran exactly: without a selector only a needle in the tail (no needle holds a
+        # special token)
+        sample = samples[f"single-700-{i}"]
+        (first, end), = sample["needle_rows"]
+        in_tail = sum(row >= sample["n_tokens"] - 128 for row in range(first, end))
+        assert answers[(f"single-700-{i}", "ridge")]["stats"]["needle_rows_exact"] == [in_tail]
+        for arm in (probe, rand):
+            assert 0 <= arm["stats"]["needle_rows_exact"][0] <= end - first
 
 
 def test_eval_agreement_gives_plumb_zero_kl_and_full_agreement_and_ridge_some_divergence(tmp_path):

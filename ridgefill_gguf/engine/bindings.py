@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 6
+API_VERSION = 7
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -65,6 +65,7 @@ _SIGNATURES = {
     "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_set_probe_share": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
     "llama_ridgefill_set_selector_blind": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
+    "llama_ridgefill_set_whole_numbers": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
     "llama_ridgefill_set_probe_budget": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
     "llama_ridgefill_set_random_budget": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_float, ctypes.c_uint32]),
     "llama_ridgefill_set_protected": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_float]),
@@ -96,7 +97,7 @@ class Stats(ctypes.Structure):
                 ("n_budget", ctypes.c_int32), ("n_budget_protected", ctypes.c_int32),
                 ("n_budget_digits", ctypes.c_int32), ("n_budget_attention", ctypes.c_int32),
                 ("n_lexical", ctypes.c_int32), ("n_protected", ctypes.c_int32), ("n_random", ctypes.c_int32),
-                ("device_mask", ctypes.c_int32)]
+                ("device_mask", ctypes.c_int32), ("n_whole_numbers", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -163,7 +164,7 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
               probe: tuple[int, int] | None = None, attention: tuple | None = None,
               blind: bool | None = None, rescale: tuple[int, bool, bool] | None = None,
               probe_budget: tuple[int, float] | None = None, random_budget: tuple[float, int] | None = None,
-              protected: float | None = None) -> None:
+              protected: float | None = None, whole_numbers: bool | None = None) -> None:
     """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
     lib = _prefill_lib()
     calls = []
@@ -194,6 +195,8 @@ def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_ro
         calls.append(("protected", lib.llama_ridgefill_set_protected(ctx, protected)))
     if rescale is not None:  # (tail rows that measure, values, keys)
         calls.append(("rescale", lib.llama_ridgefill_set_rescale(ctx, *rescale)))
+    if whole_numbers is not None:  # with the budget: a number the probe kept in part runs exactly whole
+        calls.append(("whole_numbers", lib.llama_ridgefill_set_whole_numbers(ctx, whole_numbers)))
     if blind is not None:  # the question-blind control: the selectors' queries end before the tail
         calls.append(("blind", lib.llama_ridgefill_set_selector_blind(ctx, blind)))
     if attention is not None:  # (query rows, share of the prefix[, layers]): the attention selector

@@ -36,6 +36,7 @@ class Arm:
 class SelectorOptions:
     exact_share: float = 0.1   # of the prefix, for the attention selector
     budget: float = 1.0        # the probe's budget factor: E = budget x the rows the base rules count
+    whole_numbers: bool = True  # with the budget, a number the probe keeps exact in part runs exactly whole
     probe_share: float | None = None  # a fixed share of the prefix for the probe instead of the budget
     protected_share: float = 0.25
     probe_rows: int = 256
@@ -92,7 +93,7 @@ def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts:
     """Every prefill parameter the arm sets, selectors off unless it uses one (the engine keeps parameters)."""
     # "probe" resets the budget too; a budgeted probe sets "probe_budget" after it
     params = {"fill": arm.fill, "probe": (0, 0), "attention": (sel.query_rows, 0.0, None), "exact_random": (0, 0),
-              "protected": 0.0, "random_budget": (0.0, 0),
+              "protected": 0.0, "random_budget": (0.0, 0), "whole_numbers": sel.whole_numbers,
               "blind": bool(arm.selector and arm.selector.startswith("blind-")),
               "rescale": (sel.rescale_rows, arm.rescale in ("values", "both"), arm.rescale in ("keys", "both"))}
     kind = arm.selector.removeprefix("blind-") if arm.selector else None
@@ -126,5 +127,5 @@ def run_arms(arms: list[Arm], n_prompt: int, tail: int, sel: SelectorOptions,
 def selected(stats: dict, selector: str) -> int:
     """How many prefix rows a selector made exact, from a prefill's statistics."""
     if selector.endswith("probe"):
-        return int(stats.get("n_probe_exact", 0) + stats.get("n_lexical", 0))
+        return int(stats.get("n_probe_exact", 0) + stats.get("n_lexical", 0) + stats.get("n_whole_numbers", 0))
     return int(stats.get("n_protected", 0) if selector == "protected" else stats.get("n_attention", 0))

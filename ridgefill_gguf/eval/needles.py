@@ -57,6 +57,11 @@ class Sample:
         """Every needle before the tail (the last `tail` prompt rows run exactly)."""
         return all(end <= self.n_tokens - tail for _, end in self.needle_rows)
 
+    def needle_rows_exact(self, exact_rows: list[int], first_tail_row: int) -> list[int]:
+        """Per needle, how many of its rows ran exactly: the exact prefix rows (special and selected) and the tail."""
+        exact = set(exact_rows)
+        return [sum(r in exact or r >= first_tail_row for r in range(first, end)) for first, end in self.needle_rows]
+
 
 def ruler_string_match_all(prediction: str, answers: list[str]) -> float:
     """RULER's string_match_all: the share of expected answers found in the prediction, case-insensitive."""
@@ -186,7 +191,8 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     builder = PromptBuilder(lambda text: sess.tokenize(text, special=True),
                             (lambda msg: sess.apply_chat_template(msg)) if fmt == "chat" else None)
 
-    def answer(tokens: list[int], task: str, config: str, arm: str, **params) -> dict:
+    def answer(sample: Sample, tokens: list[int], arm: str, **params) -> dict:
+        task = sample.task
         if arm == "exact":
             logits, _ = sess.stock(tokens)
             out, st = sess.greedy(logits, len(tokens), MAX_NEW[task]), {}
@@ -197,8 +203,12 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
             logits, _, st = sess.ridgefill(tokens, **params)
             out = sess.greedy(logits, len(tokens), MAX_NEW[task])
         keep = ("applied", "n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "n_budget",
-                "n_lexical", "n_protected", "n_random", "reason")
-        return {"pred": sess.detokenize(out), "stats": {k: st[k] for k in keep if k in st}}
+                "n_lexical", "n_whole_numbers", "n_protected", "n_random", "reason")
+        kept = {k: st[k] for k in keep if k in st}
+        if st.get("applied") and "exact_rows" in st:
+            # the prefill covers the prompt less its last token, whose row the tail counts as well
+            kept["needle_rows_exact"] = sample.needle_rows_exact(st["exact_rows"], len(tokens) - 1 - st["n_tail"])
+        return {"pred": sess.detokenize(out), "stats": kept}
 
     samples: list[Sample] = []
     t0, n_new = time.perf_counter(), 0
@@ -222,11 +232,11 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
                         key = (sample.sample_id, config, name)
                         if key not in done:
                             if arm is None:
-                                r = answer(tokens, task, config, "exact")
+                                r = answer(sample, tokens, "exact")
                             else:
                                 sess.attach(m)
                                 params = arm_params(arm, len(tokens), tail, opts.selectors, counts.get(config, {}))
-                                r = answer(tokens, task, config, name, tail=tail, min_prefix=0, **params)
+                                r = answer(sample, tokens, name, tail=tail, min_prefix=0, **params)
                             r.update(sample=sample.sample_id, config=config, arm=name,
                                      score=ruler_string_match_all(r["pred"], sample.answers))
                             append_jsonl(results_path, r)

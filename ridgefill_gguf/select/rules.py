@@ -123,6 +123,20 @@ def digit_rows(pieces: Sequence[bytes], breaks: Sequence[bool], n_prefix: int) -
     return [r for r in range(n_prefix) if not breaks[r] and classify(pieces[r]) in DIGIT_CLASSES]
 
 
+def whole_number_rows(digits: Sequence[int], exact: set[int]) -> list[int]:
+    """The digit rows the budgeted probe adds: every number (a run of consecutive digit rows) with an exact row runs
+    exactly whole (llama_ridgefill_set_whole_numbers)."""
+    out, run = [], []
+    for r in [*sorted(digits), None]:
+        if run and (r is None or r != run[-1] + 1):
+            if any(x in exact for x in run):
+                out += [x for x in run if x not in exact]
+            run = []
+        if r is not None:
+            run.append(r)
+    return out
+
+
 @dataclass(frozen=True)
 class LexicalParams:
     window: int = 64

@@ -71,9 +71,17 @@ for inst in $instruments; do
         # about 350 filled samples to reach -2 even with no mean loss; Qwen flips few and needs the floor's 149.
         # SHARDS=N: N runs side by side into the one folder (the small model leaves the GPU mostly idle), then a
         # whole pass that finds every answer done and writes the summary
+        # TAG=name: a folder of its own (claim-...-name; an arm's answers are keyed by its name, not its settings),
+        # which starts from the exact answers already made; BUDGET=F the probe's budget factor; WHOLE_NUMBERS=0 the
+        # probe without whole numbers (patch 0020); TASKS=a,b a subset of the needle tasks
+        base="$study/claim-$which-S$mid-T1024" out="$study/claim-$which-S$mid-T1024${TAG:+-$TAG}"
         claim=(needles "$model" --maps "$maps/$prefix.S$mid.gguf" --tail 1024 --lengths "$lengths"
-               --samples "${SAMPLES:-$claim_samples}" --out "$study/claim-$which-S$mid-T1024" -ngl 99
-               --arms "${ARMS:-ridge+probe}")
+               --samples "${SAMPLES:-$claim_samples}" --out "$out" -ngl 99 --arms "${ARMS:-ridge+probe}"
+               ${BUDGET:+--budget "$BUDGET"} ${TASKS:+--tasks "$TASKS"})
+        [ "${WHOLE_NUMBERS:-1}" = 0 ] && claim+=(--no-whole-numbers)
+        if [ "$out" != "$base" ] && [ ! -f "$out/results.jsonl" ] && [ -f "$base/results.jsonl" ]; then
+            mkdir -p "$out" && grep '"arm": "exact"' "$base/results.jsonl" > "$out/results.jsonl"
+        fi
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
