@@ -405,8 +405,8 @@ BUDGET_TEXT = ("The river bends twice before it reaches the old mill by the brid
 
 
 def run_rules_arm(arch, deep_tiny, tmp_path, params: dict, session=TIGHT, prompt=BUDGET_TEXT):
-    """One ridge prefill of the prompt (BUDGET_TEXT) with maps that carry a token frequency table; returns (the prefill's
-    tokens, pieces, breaks, the frequency table, the prefill's logits, its stats, NumPy reference, maps)."""
+    """One ridge prefill of the prompt with maps that carry a token frequency table; returns (the prefill's tokens,
+    pieces, breaks, the frequency table, the prefill's logits, its stats, NumPy reference, maps)."""
     from ridgefill_gguf.select.unigrams import with_token_freq
 
     model, maps = deep_tiny[arch]
