@@ -126,6 +126,30 @@ def test_the_protected_selector_without_a_frequency_table_is_refused_by_name_and
     assert refused["tokens_predicted"] == 2 and probe["selected"] == probe["budget"] + probe["whole_numbers"] > 0
 
 
+NUMBERS = "".join(f"Locker {k} opens with code {c}. " for k, c in [(31, 904417725513), (57, 662019384455),
+                                                                    (83, 170034982216), (96, 550128847301)])
+
+
+def test_whole_numbers_are_set_per_server_and_per_request(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    prompt = NUMBERS + PROMPT + "Locker 57 opens with which code?"
+    probe = ("--ridgefill-select", "probe", "--ridgefill-probe-rows", "32")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=probe, log_path=d / "whole.log") as srv:
+        on = srv.complete(prompt, n_predict=1)["timings"]["ridgefill"]
+        off = srv.complete(prompt, n_predict=1, ridgefill_whole_numbers=False)["timings"]["ridgefill"]
+        with pytest.raises(ServerError, match="ridgefill_whole_numbers must be true or false"):
+            srv.complete(prompt, n_predict=1, ridgefill_whole_numbers="yes")
+    extra = (*probe, "--ridgefill-whole-numbers", "off")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "whole-off.log") as srv:
+        server_off = srv.complete(prompt, n_predict=1)["timings"]["ridgefill"]
+        request_on = srv.complete(prompt, n_predict=1, ridgefill_whole_numbers=True)["timings"]["ridgefill"]
+    assert on["whole_numbers"] > 0 and on["selected"] == on["budget"] + on["whole_numbers"]
+    assert off["whole_numbers"] == 0 and off["selected"] == off["budget"] == on["budget"]
+    assert server_off == {**server_off, "whole_numbers": 0, "selected": on["budget"]}
+    assert request_on["whole_numbers"] == on["whole_numbers"]
+
+
 def test_the_rescales_are_set_per_server_and_per_request(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
