@@ -141,6 +141,24 @@ def test_a_sample_is_filled_region_only_when_every_needle_lies_before_the_tail()
     assert Sample("a", "single", 10, 10, ["1"], [[8, 10]], "x").filled_region(0)
 
 
+def test_the_needle_table_counts_whole_and_split_needles_before_the_tail_and_who_retrieved_them(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("needle_rows", ROOT / "tools" / "needle_rows.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    # 100 tokens, tail 20 (the prefill's n_tail 19): rows from 80 on are the tail; the third needle lies there
+    sample = {"sample_id": "multivalue-100-0", "task": "multivalue", "length": 100, "n_tokens": 100,
+              "answers": ["111", "222", "333"], "needle_rows": [[10, 14], [40, 44], [85, 89]], "prompt_sha": "x"}
+    answers = [{"sample": "multivalue-100-0", "arm": "exact", "pred": "111, 222 and 333", "stats": {}},
+               {"sample": "multivalue-100-0", "arm": "ridge+probe", "pred": "111 and 333",
+                "stats": {"n_tail": 19, "needle_rows_exact": [4, 2, 4]}}]
+    (tmp_path / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    assert tool.needle_table(tmp_path, "ridge+probe") == {"whole": {"needles": 1, "arm": 1, "exact": 1},
+                                                          "split": {"needles": 1, "arm": 0, "exact": 1}}
+
+
 def test_a_sample_counts_per_needle_the_rows_that_ran_exactly():
     from ridgefill_gguf.eval.needles import Sample
 
