@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ridgefill_gguf.eval.needles import Sample  # noqa: E402
 
 
 def needle_table(run_dir: Path, arm: str) -> dict[str, dict[str, int]]:
     """{"whole"|"split": {"needles", "arm", "exact"}} for one run."""
-    samples = {s["sample_id"]: s for s in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())}
+    samples = {s["sample_id"]: Sample(**s)
+               for s in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())}
     answers = {(a["sample"], a["arm"]): a
                for a in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
     table = {kind: {"needles": 0, "arm": 0, "exact": 0} for kind in ("whole", "split")}
@@ -23,9 +28,9 @@ def needle_table(run_dir: Path, arm: str) -> dict[str, dict[str, int]]:
         got, exact = answers.get((sid, arm)), answers.get((sid, "exact"))
         if not got or not exact or "needle_rows_exact" not in got["stats"]:
             continue
-        first_tail = sample["n_tokens"] - 1 - got["stats"]["n_tail"]
-        for (first, end), n_exact, answer in zip(sample["needle_rows"], got["stats"]["needle_rows_exact"],
-                                                 sample["answers"]):
+        first_tail = sample.first_tail_row(got["stats"]["n_tail"])
+        for (first, end), n_exact, answer in zip(sample.needle_rows, got["stats"]["needle_rows_exact"],
+                                                 sample.answers):
             if end > first_tail:
                 continue
             row = table["whole" if n_exact == end - first else "split"]

@@ -57,6 +57,11 @@ class Sample:
         """Every needle before the tail (the last `tail` prompt rows run exactly)."""
         return all(end <= self.n_tokens - tail for _, end in self.needle_rows)
 
+    def first_tail_row(self, n_tail_prefilled: int) -> int:
+        """The tail's first row, from a RidgeFill prefill's n_tail: the prefill covers the prompt less its last
+        token, whose row is the tail's too."""
+        return self.n_tokens - 1 - n_tail_prefilled
+
     def needle_rows_exact(self, exact_rows: list[int], first_tail_row: int) -> list[int]:
         """Per needle, how many of its rows ran exactly: the exact prefix rows (special and selected) and the tail."""
         exact = set(exact_rows)
@@ -206,8 +211,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
                 "n_lexical", "n_whole_numbers", "n_protected", "n_random", "reason")
         kept = {k: st[k] for k in keep if k in st}
         if st.get("applied") and "exact_rows" in st:
-            # the prefill covers the prompt less its last token, whose row the tail counts as well
-            kept["needle_rows_exact"] = sample.needle_rows_exact(st["exact_rows"], len(tokens) - 1 - st["n_tail"])
+            kept["needle_rows_exact"] = sample.needle_rows_exact(st["exact_rows"], sample.first_tail_row(st["n_tail"]))
         return {"pred": sess.detokenize(out), "stats": kept}
 
     samples: list[Sample] = []

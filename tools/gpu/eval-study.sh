@@ -74,7 +74,7 @@ for inst in $instruments; do
         # TAG=name: a folder of its own (claim-...-name; an arm's answers are keyed by its name, not its settings),
         # which starts from the exact answers already made; BUDGET=F the probe's budget factor; WHOLE_NUMBERS=0 the
         # probe without whole numbers (patch 0020); TASKS=a,b a subset of the needle tasks
-        base="$study/claim-$which-S$mid-T1024" out="$study/claim-$which-S$mid-T1024${TAG:+-$TAG}"
+        base="$study/claim-$which-S$mid-T1024"; out="$base${TAG:+-$TAG}"
         claim=(needles "$model" --maps "$maps/$prefix.S$mid.gguf" --tail 1024 --lengths "$lengths"
                --samples "${SAMPLES:-$claim_samples}" --out "$out" -ngl 99 --arms "${ARMS:-ridge+probe}"
                ${BUDGET:+--budget "$BUDGET"} ${TASKS:+--tasks "$TASKS"})
