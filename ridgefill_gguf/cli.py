@@ -612,17 +612,19 @@ def _shard(text: str) -> tuple[int, int]:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--shard", default="0/1", show_default=True,
               help="I/N: only the samples whose index is I modulo N, so N runs into one --out folder share the work")
+@click.option("--summary-only", is_flag=True,
+              help="summarize the answers already in --out (a run a deadline cut) without loading the model")
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
 def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exact_share, budget, whole_numbers,
-                 probe_share, probe_rows, query_rows, fmt, seed, shard, threads, n_gpu_layers) -> None:
+                 probe_share, probe_rows, query_rows, fmt, seed, shard, summary_only, threads, n_gpu_layers) -> None:
     """RULER-style retrieval; accuracy on the samples whose needles lie in the filled region, paired against exact."""
     from .eval.needles import NeedleOptions, run_needles
 
     opts = NeedleOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                          arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
-                         n_gpu_layers=n_gpu_layers, shard=_shard(shard),
+                         n_gpu_layers=n_gpu_layers, shard=_shard(shard), summary_only=summary_only,
                          selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
                                               seed))
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)

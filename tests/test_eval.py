@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,3 +400,73 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
         want = np.mean([r["delta"]["ridge"]["key"] - r["delta"][other]["key"] for r in rows])
         assert nll_12["pairs"][f"ridge - {other}"]["key"]["mean"] == pytest.approx(want)
     assert "| 9 | 1024 | ridge - identity | needles | 3 samples | retrieval +33.3 [" in md
+
+
+def test_the_study_report_pairs_a_run_in_a_tagged_folder_with_its_base_run_per_sample(tmp_path):
+    from ridgefill_gguf.eval import needles
+    from ridgefill_gguf.eval.report import run_report
+
+    # four samples; the last has its needle in the tail, so only the first three count
+    samples = [needles.Sample(f"multivalue-4096-{i}", "multivalue", 4096, 4000, ["1"], [[100 + 3000 * (i == 3), 120 +
+                              3000 * (i == 3)]], "x") for i in range(4)]
+    opts = needles.NeedleOptions(tasks=("multivalue",), tails=(1024,), arms=("ridge+probe",))
+
+    def write(folder: str, probe_scores: list[float]) -> None:
+        answers = [{"sample": s.sample_id, "config": c, "arm": a, "score": 1.0 if a == "exact" else probe_scores[i]}
+                   for i, s in enumerate(samples) for c, a in (("exact", "exact"), ("S15-T1024", "ridge+probe"))]
+        out = tmp_path / "study" / folder
+        out.mkdir(parents=True)
+        (out / "samples.jsonl").write_text("".join(json.dumps(dataclasses.asdict(x)) + "\n" for x in samples))
+        (out / "results.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+        (out / "summary.json").write_text(json.dumps({
+            "instrument": "eval needles", "model": "/m/smollm2.gguf", "options": {"lengths": [4096]},
+            **needles.summarize(samples, answers, {"S15-T1024": 15}, opts)}))
+
+    write("claim-S15-T1024", [0.0, 0.5, 1.0, 0.0])
+    write("claim-S15-T1024-whole", [1.0, 0.5, 1.0, 1.0])
+    write("claim-S15-T10240", [0.0, 0.0, 0.0, 0.0])  # a longer name, not a tag of the base
+    study = run_report(tmp_path / "study", tmp_path / "report")
+    runs = {Path(x["path"]).name: x for x in study["smollm2.gguf"]["needles"]}
+    pair = runs["claim-S15-T1024-whole"]["pairs"]["ridge+probe [whole] - ridge+probe"]["accuracy"]
+    assert pair["n"] == 3 and pair["mean"] == pytest.approx(1 / 3)
+    assert not any("[" in k for k in runs["claim-S15-T1024"]["pairs"])
+    assert not any("[" in k for k in runs["claim-S15-T10240"]["pairs"])
+    md = (tmp_path / "report" / "study.md").read_text()
+    assert "| 15 | 1024 | ridge+probe [whole] - ridge+probe | needles | 3 samples | retrieval +33.3 [" in md
+
+
+def test_eval_needles_summary_only_summarizes_a_cut_sharded_run_from_its_files_without_loading_the_model(
+        tmp_path, monkeypatch):
+    from ridgefill_gguf import libs
+    from ridgefill_gguf.eval.needles import NeedleOptions, Sample, run_needles
+
+    model, maps = _tiny_model_and_maps(tmp_path)  # the maps give the split (1)
+    monkeypatch.setattr(libs, "use_build", lambda *a, **k: pytest.fail("--summary-only loaded a build"))
+    out = tmp_path / "cut"
+    out.mkdir()
+    samples = [Sample(f"single-700-{i}", "single", 700, 690, ["1"], [[10, 12]], "x") for i in range(4)]
+
+    def write_samples(name: str, chosen: list[Sample]) -> None:
+        (out / name).write_text("".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in chosen))
+
+    # the final pass listed sample 0 before the deadline; shard 1 of 2 listed samples 1 and 3
+    write_samples("samples.jsonl", samples[:1])
+    write_samples("samples.shard-1-of-2.jsonl", samples[1::2])
+    # the deadline cut the run: sample 2 has only its exact answer; sample 3 lies beyond --samples 3
+    answers = [{"sample": f"single-700-{i}", "config": c, "arm": a, "score": float(a == "exact" or i == 0),
+                "pred": "", "stats": {}} for i in range(4) for c, a in (("exact", "exact"), ("S1-T128", "ridge"))
+               if not (i == 2 and a == "ridge")]
+    (out / "results.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    opts = NeedleOptions(tasks=("single",), lengths=(700,), samples=3, tails=(128,), arms=("ridge",),
+                         summary_only=True)
+    r = run_needles(model, [maps], out, opts, log=lambda _: None)
+    row = r["configs"]["S1-T128"]["groups"]["all tasks"]
+    assert row["samples"] == 2 and row["filled_samples"] == 2
+    assert row["arms"]["ridge"]["accuracy_filled"] == 0.5 and row["arms"]["exact"]["accuracy_filled"] == 1.0
+    assert r["hardware"] is None and "answered nothing" in r["summary_pass"]["note"]
+    assert json.loads((out / "summary.json").read_text())["configs"]["S1-T128"]["groups"]["all tasks"]["samples"] == 2
+    assert (out / "summary.md").exists()
+    for f in out.glob("samples*.jsonl"):
+        f.unlink()
+    with pytest.raises(ValueError, match="samples.jsonl is missing"):
+        run_needles(model, [maps], out, opts, log=lambda _: None)

@@ -161,6 +161,7 @@ class NeedleOptions:
     min_prefix: int = 256
     selectors: SelectorOptions = field(default_factory=SelectorOptions)
     shard: tuple[int, int] = (0, 1)  # (i, n): only the samples whose index is i modulo n
+    summary_only: bool = False      # summarize the folder's answers; load no model, answer nothing
 
 
 def config_name(split: int, tail: int) -> str:
@@ -184,6 +185,8 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     if done:
         log(f"eval needles: resuming, {len(done)} answers done")
     splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
+    if opts.summary_only:
+        return summarize_folder(out_dir, list(done.values()), model, maps, splits, opts)
 
     libs.use_build("ridgefill")
     n_ctx = max(opts.lengths) + max(MAX_NEW.values()) + 64
@@ -215,6 +218,9 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
         return {"pred": sess.detokenize(out), "stats": kept}
 
     samples: list[Sample] = []
+    # shards side by side in one folder each keep their own list, which --summary-only joins
+    samples_path = out_dir / ("samples.jsonl" if opts.shard == (0, 1) else
+                              f"samples.shard-{opts.shard[0]}-of-{opts.shard[1]}.jsonl")
     t0, n_new = time.perf_counter(), 0
     total = len(opts.tasks) * len(opts.lengths) * len(range(opts.shard[0], opts.samples, opts.shard[1]))
     try:
@@ -254,14 +260,42 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
                         f"rows {[r[0] for r in sample.needle_rows]}): " + ", ".join(marks) +
                         f"; {rate:.1f} s per answer")
                     # the samples so far, so that a run stopped by a timeout can still be summarized
-                    write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in samples))
+                    write_atomic(samples_path, "".join(json.dumps(asdict(s)) + "\n" for s in samples))
     finally:
         sess.close()
 
-    write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in samples))
+    write_atomic(samples_path, "".join(json.dumps(asdict(s)) + "\n" for s in samples))
     result = summarize(samples, list(done.values()), splits, opts)
     result.update(instrument="eval needles", date=dt.date.today().isoformat(), hardware=hardware(),
                   model=str(model), maps=[str(m) for m in maps], format=fmt, options=asdict(opts))
+    write_summary(out_dir, result, markdown(result), plot)
+    return result
+
+
+def summarize_folder(out_dir: Path, answers: list[dict], model: str | Path, maps: list[str | Path],
+                     splits: dict[str, int], opts: NeedleOptions) -> dict:
+    """The summary of a run a deadline cut, from its results.jsonl and the samples its runs listed (samples.jsonl
+    and the shards' lists): the samples of the asked tasks, lengths and indices that were answered count. Where
+    the answers were made is not known here, so the summary's hardware is left empty and this pass's machine is
+    recorded apart."""
+    paths = [p for p in [out_dir / "samples.jsonl", *sorted(out_dir.glob("samples.shard-*.jsonl"))] if p.exists()]
+    if not paths:
+        raise ValueError(f"--summary-only: {out_dir / 'samples.jsonl'} is missing (no run wrote samples there)")
+    found = {s.sample_id: s for p in paths for s in (Sample(**r) for r in load_jsonl(p))}
+    order = {(t, n): k for k, (t, n) in enumerate((t, n) for t in opts.tasks for n in opts.lengths)}
+
+    def index(s: Sample) -> int:
+        return int(s.sample_id.rsplit("-", 1)[1])
+
+    samples = sorted((s for s in found.values() if (s.task, s.length) in order and index(s) < opts.samples),
+                     key=lambda s: (order[(s.task, s.length)], index(s)))
+    if not samples:
+        raise ValueError(f"--summary-only: no sample in {out_dir} matches the tasks, lengths and --samples asked")
+    result = summarize(samples, answers, splits, opts)
+    result.update(instrument="eval needles", date=dt.date.today().isoformat(), hardware=None,
+                  model=str(model), maps=[str(m) for m in maps], format=opts.fmt, options=asdict(opts),
+                  summary_pass={"hardware": hardware(), "note": "--summary-only: the answers in results.jsonl were "
+                                "made by earlier runs; this pass answered nothing"})
     write_summary(out_dir, result, markdown(result), plot)
     return result
 

@@ -5,7 +5,8 @@ It reads every `summary.json` below a folder, groups the runs by model, and writ
 one PNG per model: ΔNLL on novel and key tokens, KL and top-1 agreement, and filled-region retrieval, each
 against the split, one line per arm and tail. Beside the contrasts with exact it pairs arms with each other per
 sample or document (the fitted map against the identity fill, a selector against its count-matched random rows),
-from each run's per-sample files.
+from each run's per-sample files. A needles run in a folder named like another's plus "-TAG" (eval-study's claim
+runs: the same prompts with one setting changed) is paired per sample with that run.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def collect(root: str | Path) -> dict:
     """{model name: {"nll": [...], "agreement": [...], "needles": [...]}}, each run's split, tail, summary and
     paired arm-against-arm contrasts."""
     runs: dict[str, dict[str, list]] = defaultdict(lambda: {"nll": [], "agreement": [], "needles": []})
+    loaded: dict[Path, tuple[list[Sample], list[dict]]] = {}  # needles folder -> its samples and answers
     for path in sorted(Path(root).rglob("summary.json")):
         r = json.loads(path.read_text())
         name = Path(r["model"]).name
@@ -48,12 +50,49 @@ def collect(root: str | Path) -> dict:
         elif kind == "needles":
             samples = [Sample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
             answers = load_jsonl(path.parent / "results.jsonl")
+            loaded[path.parent] = samples, answers
             for cfg, c in r["configs"].items():
                 pairs, test = needle_contrasts(samples, answers, cfg, c["tail"])
                 runs[name]["needles"].append({"split": c["split"], "tail": c["tail"], "groups": c["groups"],
                                               "pairs": pairs, "noninferiority": test,
-                                              "lengths": r["options"]["lengths"], "path": str(path.parent)})
+                                              "lengths": r["options"]["lengths"], "path": str(path.parent),
+                                              "config": cfg})
+    for model_runs in runs.values():
+        tagged_run_pairs(model_runs["needles"], loaded)
     return {k: v for k, v in runs.items()}
+
+
+def tagged_run_pairs(needle_runs: list[dict], loaded: dict[Path, tuple[list[Sample], list[dict]]]) -> None:
+    """Pair each run in a folder "BASE-TAG" with the run in "BASE" beside it, at the same split and tail: every arm
+    of the tagged run against every arm of the base (exact aside), per filled-region sample both answered. The
+    result joins the tagged run's pairs as "arm [TAG] - base arm"."""
+    by_folder = {(Path(x["path"]), x["split"], x["tail"]): x for x in needle_runs}
+    for (folder, split, tail), x in by_folder.items():
+        bases = [(len(f.name), b) for (f, sp, t), b in by_folder.items() if (sp, t) == (split, tail) and
+                 f.parent == folder.parent and folder.name.startswith(f.name + "-")]
+        if not bases:
+            continue
+        base = max(bases, key=lambda lb: lb[0])[1]  # "a-b-c" pairs with "a-b" rather than "a"
+        tag = folder.name.removeprefix(Path(base["path"]).name + "-")
+        samples, answers = loaded[folder]
+        _, base_answers = loaded[Path(base["path"])]
+        filled = {s.sample_id for s in samples if s.filled_region(tail)}
+        task = {s.sample_id: s.task for s in samples}
+
+        def scores(rows: list[dict], config: str) -> dict[str, dict[str, float]]:
+            out: dict[str, dict[str, float]] = defaultdict(dict)
+            for r in rows:
+                if r["config"] == config and r["sample"] in filled:
+                    out[r["arm"]][r["sample"]] = r["score"]
+            return out
+
+        ours, theirs = scores(answers, x["config"]), scores(base_answers, base["config"])
+        for a, sa in ours.items():
+            for b, sb in theirs.items():
+                both = sorted(set(sa) & set(sb))
+                if both:
+                    x["pairs"][f"{a} [{tag}] - {b}"] = {"accuracy": bootstrap_mean(
+                        [sa[i] - sb[i] for i in both], strata=[task[i] for i in both])}
 
 
 def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, tail: int) -> tuple[dict, dict]:
@@ -120,8 +159,8 @@ def markdown(study: dict) -> str:
                       "the one-sided 95% lower bound of paper §3.4 (the bootstrap bound or the binomial floor "
                       f"-100(1-0.05^(1/n)), whichever is lower) against a {100 * MARGIN:.0f}-point margin:",
                       "", "| split | tail | samples (filled) | exact | arm | arm, filled | Δ vs exact | "
-                      f"lower bound (floor) | within {100 * MARGIN:.0f} points |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      f"lower bound (floor) | within {100 * MARGIN:.0f} points | run |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             for x in sorted(runs["needles"], key=lambda x: (x["tail"], x["split"])):
                 g = x["groups"]["all tasks"]
                 head = [str(x["split"]), str(x["tail"]), f"{g['samples']} ({g['filled_samples']})",
@@ -133,7 +172,8 @@ def markdown(study: dict) -> str:
                             [f"{100 * t['bound']:+.1f} ({100 * t['floor']:+.1f})", "yes" if t["holds"] else "no"]
                         delta = (t or {}).get("delta") or a["delta_filled"]
                         lines.append("| " + " | ".join(head + [arm, _pct(a["accuracy_filled"]),
-                                                                _ci(delta, 100, 1)] + test) + " |")
+                                                                _ci(delta, 100, 1)] + test +
+                                                         [Path(x["path"]).name]) + " |")
             lines.append("")
         # the document instruments: a row per run and arm
         doc_tables = (("nll", "ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):",
@@ -161,7 +201,7 @@ def pairs_table(runs: dict) -> list[str]:
     for x in sorted(runs["needles"], key=lambda x: (x["tail"], x["split"])):
         for pair, s in x["pairs"].items():
             rows.append([x["split"], x["tail"], pair, "needles", f"{s['accuracy']['n']} samples",
-                         "retrieval " + _ci(s["accuracy"], 100, 1) + " points"])
+                         "retrieval " + _ci(s["accuracy"], 100, 1) + " points", Path(x["path"]).name])
     for kind in ("nll", "agreement"):
         for x in sorted(runs[kind], key=lambda x: (x["tail"], x["split"])):
             for pair, s in x["pairs"].items():
@@ -169,12 +209,13 @@ def pairs_table(runs: dict) -> list[str]:
                     value = "; ".join(f"{k} {_ci(s[k])}" for k in ("all", "novel", "key"))
                 else:
                     value = f"KL {_ci(s['kl'], 1, 4)}; top-1 {_ci(s['top1'], 100, 1)} points"
-                rows.append([x["split"], x["tail"], pair, kind, f"{s[next(iter(s))]['n']} documents", value])
+                rows.append([x["split"], x["tail"], pair, kind, f"{s[next(iter(s))]['n']} documents", value,
+                             Path(x["path"]).name])
     if not rows:
         return []
     return (["Arms paired with each other (Δ = first arm minus second, per sample or document, mean [95% interval]; "
              "retrieval on filled-region samples, ΔNLL in nats per token):", "",
-             "| split | tail | arms | instrument | paired over | Δ |", "|---|---|---|---|---|---|"] +
+             "| split | tail | arms | instrument | paired over | Δ | run |", "|---|---|---|---|---|---|---|"] +
             ["| " + " | ".join(map(str, r)) + " |" for r in rows] + [""])
 
 

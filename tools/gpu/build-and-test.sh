@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): build the patched and the upstream llama.cpp with CUDA outside the repo,
-# so a warm machine reuses them, then run the tests there. Carry: .cache/device/llama.cpp, .whl
+# so a warm machine reuses them, then run the tests there. Carry: .cache/device/llama.cpp.tar.xz (or the
+# unpacked .cache/device/llama.cpp, 50 MB against the packed 7 MB), .whl
 #   bash tools/gpu/build-and-test.sh [--build-only] [pytest args...]
 #
 # One source tree and one build folder serve both builds: the patched tree is built first, its outputs are
@@ -10,12 +11,12 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
-tree="$repo/.cache/device/llama.cpp"
-[ -d "$tree" ] || { echo "gpu: carry .cache/device/llama.cpp (tools/gpu/prune-tree.sh makes it)" >&2; exit 1; }
 mkdir -p "$work"
 
-# the Python side: carried wheels (gguf, llama-cpp-python bindings, diskcache) and this checkout
+# the Python side: carried wheels (gguf, llama-cpp-python bindings, diskcache) and this checkout; the packed tree
 bash "$repo/tools/gpu/site.sh"
+tree="$repo/.cache/device/llama.cpp"
+[ -d "$tree" ] || { echo "gpu: carry .cache/device/llama.cpp.tar.xz (tools/gpu/prune-tree.sh makes it)" >&2; exit 1; }
 export PYTHONPATH="/tmp/site:$repo" PYTHONUNBUFFERED=1
 
 series=$(cat "$repo"/patches/*.patch | sha256sum | cut -c1-16)

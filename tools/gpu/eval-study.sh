@@ -32,7 +32,7 @@ study="$work/study" && mkdir -p "$study"
 [ -n "${RESUME_FROM:-}" ] && cp -rn "$repo/$RESUME_FROM/." "$study/"
 start=$SECONDS deadline=${DEADLINE:-570}
 step() {
-    local left=$((deadline - (SECONDS - start) - 15)) limit=${STEP_TIMEOUT:-240}
+    local left=$((deadline - (SECONDS - start) - ${RESERVE:-15})) limit=${STEP_TIMEOUT:-240}
     [ "$left" -lt 20 ] && { echo "eval-study: deadline reached, skipping: $1 ${*: -3}"; return; }
     [ "$left" -lt "$limit" ] && limit=$left
     echo "== eval $1 ${*: -3} (at most ${limit} s)"
@@ -70,7 +70,8 @@ for inst in $instruments; do
         # SmolLM2 flips about a quarter of its answers either way (exact or not), so its bootstrap bound needs
         # about 350 filled samples to reach -2 even with no mean loss; Qwen flips few and needs the floor's 149.
         # SHARDS=N: N runs side by side into the one folder (the small model leaves the GPU mostly idle), then a
-        # whole pass that finds every answer done and writes the summary
+        # whole pass that answers what the shards left and writes the summary; if the deadline cuts it, a
+        # --summary-only pass (seconds, no model) summarizes the answers made
         # TAG=name: a folder of its own (claim-...-name; an arm's answers are keyed by its name, not its settings),
         # which starts from the exact answers already made; BUDGET=F the probe's budget factor; WHOLE_NUMBERS=0 the
         # probe without whole numbers (patch 0020); TASKS=a,b a subset of the needle tasks
@@ -89,7 +90,9 @@ for inst in $instruments; do
             done
             wait
         fi
-        step "${claim[@]}" ;;
+        touch "$work/.claim-start"
+        RESERVE=40 step "${claim[@]}"
+        [ "$out/summary.json" -nt "$work/.claim-start" ] || RESERVE=5 step "${claim[@]}" --summary-only ;;
     setup) ;;  # only the copies above (study-parallel.sh makes them once before its runs start)
     nll|agreement)
         for s in $splits; do for t in $tails; do

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Copy the pristine vendored tree without what a CPU/CUDA build of the libraries and tools never reads,
-# so that it fits the GPU machine's transfer limit (64 MiB): tools/gpu/prune-tree.sh OUT
+# so that it fits the GPU machine's transfer limit (64 MiB), and pack it (OUT.tar.xz, 7 MB, leaves a call room for
+# a model piece): tools/gpu/prune-tree.sh OUT
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 src="$root/vendor/llama.cpp-upstream"
@@ -20,4 +21,5 @@ done
 # CMake still lists the examples and tests folders; empty stubs keep it configuring
 mkdir -p "$out.tmp/examples" "$out.tmp/tests"
 rm -rf "$out" && mv "$out.tmp" "$out"
-du -sh "$out"
+tar -cJf "$out.tar.xz.tmp" -C "$(dirname "$out")" "$(basename "$out")" && mv "$out.tar.xz.tmp" "$out.tar.xz"
+du -sh "$out" "$out.tar.xz"
