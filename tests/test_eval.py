@@ -402,8 +402,8 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
     assert "| 9 | 1024 | ridge - identity | needles | 3 samples | retrieval +33.3 [" in md
 
 
-def test_the_study_report_pairs_a_run_in_a_tagged_folder_with_its_base_run_per_sample(tmp_path):
-    from ridgefill_gguf.eval import needles
+def test_the_study_report_pairs_a_run_in_a_tagged_folder_with_its_base_run_per_sample_or_document(tmp_path):
+    from ridgefill_gguf.eval import needles, nll
     from ridgefill_gguf.eval.report import run_report
 
     # four samples; the last has its needle in the tail, so only the first three count
@@ -425,6 +425,20 @@ def test_the_study_report_pairs_a_run_in_a_tagged_folder_with_its_base_run_per_s
     write("claim-S15-T1024", [0.0, 0.5, 1.0, 0.0])
     write("claim-S15-T1024-whole", [1.0, 0.5, 1.0, 1.0])
     write("claim-S15-T10240", [0.0, 0.0, 0.0, 0.0])  # a longer name, not a tag of the base
+
+    # the loss on the same documents: key ΔNLL 0.4 lower with the tag on each document
+    def write_nll(folder: str, key: float) -> None:
+        rows = [{"name": f"/corpus/chat/d{i}.txt", "delta": {"ridge+probe": {"all": 0.01 * i, "novel": 0.0,
+                                                                             "key": key + i}}} for i in range(3)]
+        out = tmp_path / "study" / folder
+        out.mkdir(parents=True)
+        (out / "documents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / "summary.json").write_text(json.dumps({
+            "instrument": "eval nll", "model": "/m/smollm2.gguf", "split": 15, "documents": 3,
+            "options": {"tail": 1024}, "summary": nll.summarize(rows, ["ridge+probe"])}))
+
+    write_nll("nll-S15-T1024", 1.0)
+    write_nll("nll-S15-T1024-whole", 0.6)
     study = run_report(tmp_path / "study", tmp_path / "report")
     runs = {Path(x["path"]).name: x for x in study["smollm2.gguf"]["needles"]}
     pair = runs["claim-S15-T1024-whole"]["pairs"]["ridge+probe [whole] - ridge+probe"]["accuracy"]
@@ -433,6 +447,10 @@ def test_the_study_report_pairs_a_run_in_a_tagged_folder_with_its_base_run_per_s
     assert not any("[" in k for k in runs["claim-S15-T10240"]["pairs"])
     md = (tmp_path / "report" / "study.md").read_text()
     assert "| 15 | 1024 | ridge+probe [whole] - ridge+probe | needles | 3 samples | retrieval +33.3 [" in md
+    nll_runs = {Path(x["path"]).name: x for x in study["smollm2.gguf"]["nll"]}
+    key = nll_runs["nll-S15-T1024-whole"]["pairs"]["ridge+probe [whole] - ridge+probe"]["key"]
+    assert key["n"] == 3 and key["mean"] == pytest.approx(-0.4)
+    assert not any("[" in k for k in nll_runs["nll-S15-T1024"]["pairs"])
 
 
 def test_eval_needles_summary_only_summarizes_a_cut_sharded_run_from_its_files_without_loading_the_model(

@@ -5,8 +5,8 @@ It reads every `summary.json` below a folder, groups the runs by model, and writ
 one PNG per model: ΔNLL on novel and key tokens, KL and top-1 agreement, and filled-region retrieval, each
 against the split, one line per arm and tail. Beside the contrasts with exact it pairs arms with each other per
 sample or document (the fitted map against the identity fill, a selector against its count-matched random rows),
-from each run's per-sample files. A needles run in a folder named like another's plus "-TAG" (eval-study's claim
-runs: the same prompts with one setting changed) is paired per sample with that run.
+from each run's per-sample files. A run in a folder named like another's plus "-TAG" (eval-study's claim runs: the
+same prompts or documents with one setting changed) is paired per sample or document with that run.
 """
 from __future__ import annotations
 
@@ -35,13 +35,14 @@ def collect(root: str | Path) -> dict:
     """{model name: {"nll": [...], "agreement": [...], "needles": [...]}}, each run's split, tail, summary and
     paired arm-against-arm contrasts."""
     runs: dict[str, dict[str, list]] = defaultdict(lambda: {"nll": [], "agreement": [], "needles": []})
-    loaded: dict[Path, tuple[list[Sample], list[dict]]] = {}  # needles folder -> its samples and answers
+    loaded: dict[str, tuple] = {}  # run folder -> (samples, answers) for needles, (documents,) for the others
     for path in sorted(Path(root).rglob("summary.json")):
         r = json.loads(path.read_text())
         name = Path(r["model"]).name
         kind = r.get("instrument", "").removeprefix("eval ")
         if kind in ("nll", "agreement"):
             docs = load_jsonl(path.parent / "documents.jsonl")
+            loaded[str(path.parent)] = (docs,)
             # from the per-document file, so every run is resampled the same way (within each domain)
             summary = (summarize_nll if kind == "nll" else summarize_agreement)(docs, list(r["summary"]))
             runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
@@ -50,49 +51,86 @@ def collect(root: str | Path) -> dict:
         elif kind == "needles":
             samples = [Sample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
             answers = load_jsonl(path.parent / "results.jsonl")
-            loaded[path.parent] = samples, answers
+            loaded[str(path.parent)] = samples, answers
             for cfg, c in r["configs"].items():
                 pairs, test = needle_contrasts(samples, answers, cfg, c["tail"])
                 runs[name]["needles"].append({"split": c["split"], "tail": c["tail"], "groups": c["groups"],
                                               "pairs": pairs, "noninferiority": test,
                                               "lengths": r["options"]["lengths"], "path": str(path.parent),
                                               "config": cfg})
+    # a run in a folder BASE-TAG against the run in BASE: the same prompts or documents, one setting changed
     for model_runs in runs.values():
-        tagged_run_pairs(model_runs["needles"], loaded)
+        for kind, kind_runs in model_runs.items():
+            for x in kind_runs:
+                if (found := tagged_base(x, kind_runs)) is None:
+                    continue
+                base, tag = found
+                if kind == "needles":
+                    samples, answers = loaded[x["path"]]
+                    x["pairs"].update(needle_run_pairs(samples, answers, x["config"], loaded[base["path"]][1],
+                                                       base["config"], x["tail"], tag))
+                else:
+                    x["pairs"].update(document_run_pairs(kind, loaded[x["path"]][0], loaded[base["path"]][0], tag))
     return {k: v for k, v in runs.items()}
 
 
-def tagged_run_pairs(needle_runs: list[dict], loaded: dict[Path, tuple[list[Sample], list[dict]]]) -> None:
-    """Pair each run in a folder "BASE-TAG" with the run in "BASE" beside it, at the same split and tail: every arm
-    of the tagged run against every arm of the base (exact aside), per filled-region sample both answered. The
-    result joins the tagged run's pairs as "arm [TAG] - base arm"."""
-    by_folder = {(Path(x["path"]), x["split"], x["tail"]): x for x in needle_runs}
-    for (folder, split, tail), x in by_folder.items():
-        bases = [(len(f.name), b) for (f, sp, t), b in by_folder.items() if (sp, t) == (split, tail) and
-                 f.parent == folder.parent and folder.name.startswith(f.name + "-")]
-        if not bases:
-            continue
-        base = max(bases, key=lambda lb: lb[0])[1]  # "a-b-c" pairs with "a-b" rather than "a"
-        tag = folder.name.removeprefix(Path(base["path"]).name + "-")
-        samples, answers = loaded[folder]
-        _, base_answers = loaded[Path(base["path"])]
-        filled = {s.sample_id for s in samples if s.filled_region(tail)}
-        task = {s.sample_id: s.task for s in samples}
+def tagged_base(x: dict, runs: list[dict]) -> tuple[dict, str] | None:
+    """(the run in folder "BASE" beside x's "BASE-TAG", at the same split and tail, and TAG), or None."""
+    folder = Path(x["path"])
+    bases = [b for b in runs if (b["split"], b["tail"]) == (x["split"], x["tail"]) and
+             Path(b["path"]).parent == folder.parent and folder.name.startswith(Path(b["path"]).name + "-")]
+    if not bases:
+        return None
+    base = max(bases, key=lambda b: len(Path(b["path"]).name))  # "a-b-c" pairs with "a-b" rather than "a"
+    return base, folder.name.removeprefix(Path(base["path"]).name + "-")
 
-        def scores(rows: list[dict], config: str) -> dict[str, dict[str, float]]:
-            out: dict[str, dict[str, float]] = defaultdict(dict)
-            for r in rows:
-                if r["config"] == config and r["sample"] in filled:
-                    out[r["arm"]][r["sample"]] = r["score"]
-            return out
 
-        ours, theirs = scores(answers, x["config"]), scores(base_answers, base["config"])
-        for a, sa in ours.items():
-            for b, sb in theirs.items():
-                both = sorted(set(sa) & set(sb))
-                if both:
-                    x["pairs"][f"{a} [{tag}] - {b}"] = {"accuracy": bootstrap_mean(
-                        [sa[i] - sb[i] for i in both], strata=[task[i] for i in both])}
+def needle_run_pairs(samples: list[Sample], answers: list[dict], config: str, base_answers: list[dict],
+                     base_config: str, tail: int, tag: str) -> dict:
+    """Every arm of a tagged run against every arm of its base run (exact aside), per filled-region sample both
+    answered: {"arm [TAG] - base arm": {"accuracy": bootstrap}}."""
+    filled = {s.sample_id for s in samples if s.filled_region(tail)}
+    task = {s.sample_id: s.task for s in samples}
+
+    def scores(rows: list[dict], cfg: str) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = defaultdict(dict)
+        for r in rows:
+            if r["config"] == cfg and r["sample"] in filled:
+                out[r["arm"]][r["sample"]] = r["score"]
+        return out
+
+    pairs = {}
+    for a, sa in scores(answers, config).items():
+        for b, sb in scores(base_answers, base_config).items():
+            both = sorted(set(sa) & set(sb))
+            if both:
+                pairs[f"{a} [{tag}] - {b}"] = {"accuracy": bootstrap_mean([sa[i] - sb[i] for i in both],
+                                                                          strata=[task[i] for i in both])}
+    return pairs
+
+
+def document_run_pairs(kind: str, docs: list[dict], base_docs: list[dict], tag: str) -> dict:
+    """As document_pairs, between a tagged run and its base run: every arm of one against every arm of the other,
+    per document both measured (the same documents give the same exact pass on one machine)."""
+    field = "delta" if kind == "nll" else "arms"
+    keys = ("all", "novel", "key") if kind == "nll" else ("kl", "top1")
+    base = {d["name"]: d for d in base_docs}
+    rows = [(d, base[d["name"]]) for d in docs if d["name"] in base]
+    out = {}
+    for a in sorted({arm for d, _ in rows for arm in d[field]}):
+        for b in sorted({arm for _, e in rows for arm in e[field]}):
+            both = [(d, e) for d, e in rows if a in d[field] and b in e[field]]
+            if not both:
+                continue
+
+            def diff(pair: tuple[dict, dict], k: str) -> float | None:
+                x, y = pair[0][field][a][k], pair[1][field][b][k]
+                return None if x is None or y is None else x - y
+
+            # document_mean reads each row's name for its domain
+            out[f"{a} [{tag}] - {b}"] = {k: document_mean([{"name": d["name"], "pair": (d, e)} for d, e in both],
+                                                          lambda r, k=k: diff(r["pair"], k)) for k in keys}
+    return out
 
 
 def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, tail: int) -> tuple[dict, dict]:
