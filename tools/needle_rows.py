@@ -9,20 +9,21 @@ prediction)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ridgefill_gguf.eval.documents import load_jsonl  # noqa: E402
 from ridgefill_gguf.eval.needles import Sample  # noqa: E402
 
 
 def needle_table(run_dir: Path, arm: str) -> dict[str, dict[str, int]]:
     """{"whole"|"split": {"needles", "arm", "exact"}} for one run."""
-    samples = {s["sample_id"]: Sample(**s)
-               for s in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())}
-    answers = {(a["sample"], a["arm"]): a
-               for a in map(json.loads, (run_dir / "results.jsonl").read_text().splitlines())}
+    for name in ("samples.jsonl", "results.jsonl"):
+        if not (run_dir / name).exists():
+            raise SystemExit(f"needle_rows: {run_dir / name} is missing: not an `eval needles` folder")
+    samples = {s["sample_id"]: Sample(**s) for s in load_jsonl(run_dir / "samples.jsonl")}
+    answers = {(a["sample"], a["arm"]): a for a in load_jsonl(run_dir / "results.jsonl")}
     table = {kind: {"needles": 0, "arm": 0, "exact": 0} for kind in ("whole", "split")}
     for sid, sample in samples.items():
         got, exact = answers.get((sid, arm)), answers.get((sid, "exact"))

@@ -265,9 +265,18 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
         sess.close()
 
     write_atomic(samples_path, "".join(json.dumps(asdict(s)) + "\n" for s in samples))
-    result = summarize(samples, list(done.values()), splits, opts)
-    result.update(instrument="eval needles", date=dt.date.today().isoformat(), hardware=hardware(),
-                  model=str(model), maps=[str(m) for m in maps], format=fmt, options=asdict(opts))
+    return write_needles_summary(out_dir, samples, list(done.values()), model, maps, splits, opts,
+                                 machine=hardware(), fmt=fmt)
+
+
+def write_needles_summary(out_dir: Path, samples: list[Sample], answers: list[dict], model: str | Path,
+                          maps: list[str | Path], splits: dict[str, int], opts: NeedleOptions, machine: dict | None,
+                          fmt: str, **extra) -> dict:
+    """summary.json, .md and .png of a run: the summary with what was run, the machine the answers came from
+    (None when unknown) and `extra` fields."""
+    result = summarize(samples, answers, splits, opts)
+    result.update(instrument="eval needles", date=dt.date.today().isoformat(), hardware=machine, model=str(model),
+                  maps=[str(m) for m in maps], format=fmt, options=asdict(opts), **extra)
     write_summary(out_dir, result, markdown(result), plot)
     return result
 
@@ -291,13 +300,10 @@ def summarize_folder(out_dir: Path, answers: list[dict], model: str | Path, maps
                      key=lambda s: (order[(s.task, s.length)], index(s)))
     if not samples:
         raise ValueError(f"--summary-only: no sample in {out_dir} matches the tasks, lengths and --samples asked")
-    result = summarize(samples, answers, splits, opts)
-    result.update(instrument="eval needles", date=dt.date.today().isoformat(), hardware=None,
-                  model=str(model), maps=[str(m) for m in maps], format=opts.fmt, options=asdict(opts),
-                  summary_pass={"hardware": hardware(), "note": "--summary-only: the answers in results.jsonl were "
-                                "made by earlier runs; this pass answered nothing"})
-    write_summary(out_dir, result, markdown(result), plot)
-    return result
+    return write_needles_summary(out_dir, samples, answers, model, maps, splits, opts, machine=None,
+                                 fmt=opts.fmt, summary_pass={
+                                     "hardware": hardware(), "note": "--summary-only: the answers in results.jsonl "
+                                     "were made by earlier runs; this pass answered nothing"})
 
 
 def summarize(samples: list[Sample], answers: list[dict], splits: dict[str, int], opts: NeedleOptions) -> dict:

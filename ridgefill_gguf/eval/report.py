@@ -35,14 +35,15 @@ def collect(root: str | Path) -> dict:
     """{model name: {"nll": [...], "agreement": [...], "needles": [...]}}, each run's split, tail, summary and
     paired arm-against-arm contrasts."""
     runs: dict[str, dict[str, list]] = defaultdict(lambda: {"nll": [], "agreement": [], "needles": []})
-    loaded: dict[str, tuple] = {}  # run folder -> (samples, answers) for needles, (documents,) for the others
+    needle_files: dict[str, tuple[list[Sample], list[dict]]] = {}  # run folder -> samples, answers
+    document_files: dict[str, list[dict]] = {}  # run folder -> per-document rows (nll, agreement)
     for path in sorted(Path(root).rglob("summary.json")):
         r = json.loads(path.read_text())
         name = Path(r["model"]).name
         kind = r.get("instrument", "").removeprefix("eval ")
         if kind in ("nll", "agreement"):
             docs = load_jsonl(path.parent / "documents.jsonl")
-            loaded[str(path.parent)] = (docs,)
+            document_files[str(path.parent)] = docs
             # from the per-document file, so every run is resampled the same way (within each domain)
             summary = (summarize_nll if kind == "nll" else summarize_agreement)(docs, list(r["summary"]))
             runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
@@ -51,7 +52,7 @@ def collect(root: str | Path) -> dict:
         elif kind == "needles":
             samples = [Sample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
             answers = load_jsonl(path.parent / "results.jsonl")
-            loaded[str(path.parent)] = samples, answers
+            needle_files[str(path.parent)] = samples, answers
             for cfg, c in r["configs"].items():
                 pairs, test = needle_contrasts(samples, answers, cfg, c["tail"])
                 runs[name]["needles"].append({"split": c["split"], "tail": c["tail"], "groups": c["groups"],
@@ -66,11 +67,12 @@ def collect(root: str | Path) -> dict:
                     continue
                 base, tag = found
                 if kind == "needles":
-                    samples, answers = loaded[x["path"]]
-                    x["pairs"].update(needle_run_pairs(samples, answers, x["config"], loaded[base["path"]][1],
+                    samples, answers = needle_files[x["path"]]
+                    x["pairs"].update(needle_run_pairs(samples, answers, x["config"], needle_files[base["path"]][1],
                                                        base["config"], x["tail"], tag))
                 else:
-                    x["pairs"].update(document_run_pairs(kind, loaded[x["path"]][0], loaded[base["path"]][0], tag))
+                    x["pairs"].update(document_run_pairs(kind, document_files[x["path"]],
+                                                         document_files[base["path"]], tag))
     return {k: v for k, v in runs.items()}
 
 
@@ -89,24 +91,30 @@ def needle_run_pairs(samples: list[Sample], answers: list[dict], config: str, ba
                      base_config: str, tail: int, tag: str) -> dict:
     """Every arm of a tagged run against every arm of its base run (exact aside), per filled-region sample both
     answered: {"arm [TAG] - base arm": {"accuracy": bootstrap}}."""
-    filled = {s.sample_id for s in samples if s.filled_region(tail)}
+    filled = sorted(s.sample_id for s in samples if s.filled_region(tail))
     task = {s.sample_id: s.task for s in samples}
-
-    def scores(rows: list[dict], cfg: str) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = defaultdict(dict)
-        for r in rows:
-            if r["config"] == cfg and r["sample"] in filled:
-                out[r["arm"]][r["sample"]] = r["score"]
-        return out
-
     pairs = {}
-    for a, sa in scores(answers, config).items():
-        for b, sb in scores(base_answers, base_config).items():
-            both = sorted(set(sa) & set(sb))
-            if both:
-                pairs[f"{a} [{tag}] - {b}"] = {"accuracy": bootstrap_mean([sa[i] - sb[i] for i in both],
-                                                                          strata=[task[i] for i in both])}
+    for a, sa in scores_by_arm(answers, config).items():
+        for b, sb in scores_by_arm(base_answers, base_config).items():
+            d, tasks = paired(sa, sb, filled, task)
+            if d:
+                pairs[f"{a} [{tag}] - {b}"] = {"accuracy": bootstrap_mean(d, strata=tasks)}
     return pairs
+
+
+def scores_by_arm(answers: list[dict], config: str) -> dict[str, dict[str, float]]:
+    """{arm: {sample: score}} for one configuration's answers."""
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for r in answers:
+        if r["config"] == config:
+            out[r["arm"]][r["sample"]] = r["score"]
+    return out
+
+
+def paired(a: dict[str, float], b: dict[str, float], ids: list[str], task: dict[str, str]) -> tuple[list, list]:
+    """(a - b per sample of ids that both scored, in the order of ids; each one's task, the resampling stratum)."""
+    both = [sid for sid in ids if sid in a and sid in b]
+    return [a[sid] - b[sid] for sid in both], [task[sid] for sid in both]
 
 
 def document_run_pairs(kind: str, docs: list[dict], base_docs: list[dict], tag: str) -> dict:
@@ -139,24 +147,16 @@ def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, ta
     resampled within each task."""
     filled = [s.sample_id for s in samples if s.filled_region(tail)]
     task = {s.sample_id: s.task for s in samples}  # paper §3.4 resamples within each task
-    exact = {r["sample"]: r["score"] for r in answers if r["config"] == "exact"}
-    by_arm: dict[str, dict[str, float]] = defaultdict(dict)  # arm -> sample -> score
-    for r in answers:
-        if r["config"] == config:
-            by_arm[r["arm"]][r["sample"]] = r["score"]
-
-    def paired(a: dict, b: dict) -> tuple[list[float], list[str]]:
-        both = [sid for sid in filled if sid in a and sid in b]
-        return [a[sid] - b[sid] for sid in both], [task[sid] for sid in both]
-
+    exact = scores_by_arm(answers, "exact")["exact"]
+    by_arm = scores_by_arm(answers, config)
     pairs = {}
     for a, b in PAIRS:
-        d, tasks = paired(by_arm.get(a, {}), by_arm.get(b, {}))
+        d, tasks = paired(by_arm.get(a, {}), by_arm.get(b, {}), filled, task)
         if d:
             pairs[f"{a} - {b}"] = {"accuracy": bootstrap_mean(d, strata=tasks)}
     test = {}
     for arm, scores in sorted(by_arm.items()):
-        d, tasks = paired(scores, exact)
+        d, tasks = paired(scores, exact, filled, task)
         # Δ with it, from the same files and resampling (a summary.json may predate the per-task resampling)
         test[arm] = {**noninferiority(d, MARGIN, strata=tasks), "delta": bootstrap_mean(d, strata=tasks)}
     return pairs, test
