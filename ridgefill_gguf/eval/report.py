@@ -120,25 +120,36 @@ def paired(a: dict[str, float], b: dict[str, float], ids: list[str], task: dict[
 def document_run_pairs(kind: str, docs: list[dict], base_docs: list[dict], tag: str) -> dict:
     """As document_pairs, between a tagged run and its base run: every arm of one against every arm of the other,
     per document both measured (the same documents give the same exact pass on one machine)."""
-    field = "delta" if kind == "nll" else "arms"
-    keys = ("all", "novel", "key") if kind == "nll" else ("kl", "top1")
+    field = DOCUMENT_FIELD[kind]
     base = {d["name"]: d for d in base_docs}
     rows = [(d, base[d["name"]]) for d in docs if d["name"] in base]
     out = {}
     for a in sorted({arm for d, _ in rows for arm in d[field]}):
         for b in sorted({arm for _, e in rows for arm in e[field]}):
-            both = [(d, e) for d, e in rows if a in d[field] and b in e[field]]
-            if not both:
-                continue
-
-            def diff(pair: tuple[dict, dict], k: str) -> float | None:
-                x, y = pair[0][field][a][k], pair[1][field][b][k]
-                return None if x is None or y is None else x - y
-
-            # document_mean reads each row's name for its domain
-            out[f"{a} [{tag}] - {b}"] = {k: document_mean([{"name": d["name"], "pair": (d, e)} for d, e in both],
-                                                          lambda r, k=k: diff(r["pair"], k)) for k in keys}
+            if (s := paired_documents(kind, rows, a, b)) is not None:
+                out[f"{a} [{tag}] - {b}"] = s
     return out
+
+
+DOCUMENT_FIELD = {"nll": "delta", "agreement": "arms"}  # where a per-document row keeps its arms
+DOCUMENT_MEASURES = {"nll": ("all", "novel", "key"), "agreement": ("kl", "top1")}
+
+
+def paired_documents(kind: str, rows: list[tuple[dict, dict]], a: str, b: str) -> dict | None:
+    """{measure: bootstrap of arm a in the first row of each pair minus arm b in the second, within each domain}
+    over the pairs where both arms were measured; None when there is none."""
+    field = DOCUMENT_FIELD[kind]
+    both = [(d, e) for d, e in rows if a in d[field] and b in e[field]]
+    if not both:
+        return None
+
+    def diff(pair: tuple[dict, dict], k: str) -> float | None:
+        x, y = pair[0][field][a][k], pair[1][field][b][k]
+        return None if x is None or y is None else x - y
+
+    # document_mean reads each row's name for its domain
+    named = [{"name": d["name"], "pair": (d, e)} for d, e in both]
+    return {k: document_mean(named, lambda r, k=k: diff(r["pair"], k)) for k in DOCUMENT_MEASURES[kind]}
 
 
 def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, tail: int) -> tuple[dict, dict]:
@@ -165,19 +176,8 @@ def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, ta
 def document_pairs(kind: str, docs: list[dict]) -> dict:
     """{"a - b": {measure: bootstrap of the per-document difference, within each domain}} for nll (ΔNLL on all,
     novel and key tokens) and agreement (KL and top-1)."""
-    out = {}
-    for a, b in PAIRS:
-        field = "delta" if kind == "nll" else "arms"
-        rows = [d for d in docs if a in d[field] and b in d[field]]
-
-        def diff(d: dict, k: str) -> float | None:
-            x, y = d[field][a][k], d[field][b][k]
-            return None if x is None or y is None else x - y
-
-        if rows:
-            out[f"{a} - {b}"] = {k: document_mean(rows, lambda d: diff(d, k))
-                                 for k in (("all", "novel", "key") if kind == "nll" else ("kl", "top1"))}
-    return out
+    rows = [(d, d) for d in docs]
+    return {f"{a} - {b}": s for a, b in PAIRS if (s := paired_documents(kind, rows, a, b)) is not None}
 
 
 def _ci(s: dict, scale: float = 1.0, digits: int = 3, sign: bool = True) -> str:
