@@ -158,7 +158,9 @@ def verify(maps: Path, model: Path) -> None:
     except (GGUFFormatError, ValueError) as e:
         raise click.ClickException(f"model: {e}") from e
     try:
-        problems = fmt.check_maps(fmt.read_maps(maps), fingerprint)
+        g = fmt.read_maps(maps)
+        problems = fmt.check_maps(g, fingerprint)
+        problems.errors += fmt.check_values(g)
     except GGUFFormatError as e:
         click.echo(f"{maps}: {e}" if str(maps) not in str(e) else str(e))
         sys.exit(1)

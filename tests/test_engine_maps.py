@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from conftest import require_builds, run_py
@@ -101,4 +102,55 @@ def test_the_engine_refuses_a_file_that_is_not_gguf_by_name(maps_files):
     model, files = maps_files
     out = engine_load(model, [files["junk"]])
     assert out[f"{files['junk']}|resident"]["refused"] == f"{files['junk']}: not a readable GGUF file"
+    assert out["served"] is True
+
+
+def with_value(src: str, dst, tensor: str, byte_offset: int, raw: bytes):
+    """A copy of a maps file with `raw` written at `byte_offset` into one tensor's data."""
+    data = bytearray(open(src, "rb").read())
+    start = read_gguf(src).tensors[tensor].offset + byte_offset
+    data[start:start + len(raw)] = raw
+    dst.write_bytes(bytes(data))
+    return str(dst)
+
+
+@pytest.mark.parametrize("tensor, offset, raw, words", [
+    # the f16 scale of a Q8_0 weight's third block (block 2 covers elements 64..95): NaN
+    ("blk.1.rf_map.weight", 2 * 34, bytes.fromhex("007e"), "(NaN) at element 64"),
+    ("blk.1.rf_map.bias", 4 * 5, np.float32(np.inf).tobytes(), "(Inf) at element 5"),
+    ("rf_token_freq", 0, np.float32(np.nan).tobytes(), "(NaN) at element 0"),
+])
+def test_a_non_finite_value_in_a_map_a_bias_or_the_frequency_table_is_refused_by_name(
+        maps_files, tmp_path, tensor, offset, raw, words):
+    require_builds("ridgefill")
+    model, files = maps_files
+    good = files["good"]
+    if tensor == fmt.TOKEN_FREQ:
+        from ridgefill_gguf.maps.merge import merge
+
+        n_vocab = fmt.model_fingerprint(model).n_vocab
+        good = str(merge([good], tmp_path / "with-table.gguf", token_freq=np.ones(n_vocab, np.float32)))
+    bad = with_value(good, tmp_path / "bad.gguf", tensor, offset, raw)
+    expected = fmt.check_values(read_gguf(bad))
+    assert expected == [f"tensor {tensor} holds a non-finite value {words}"]
+    out = engine_load(model, [bad])
+    for placement in ("resident", "streamed"):
+        assert out[f"{bad}|{placement}"]["refused"] == f"{bad}: {expected[0]}"
+    assert out["served"] is True
+
+
+def test_a_maps_file_that_leaves_out_a_late_layer_is_refused_not_filled_with_the_identity(tmp_path):
+    require_builds("ridgefill")
+    import dataclasses
+
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    shape = dataclasses.replace(tiny_shape("qwen3"), n_layer=5)
+    model = write_random_model(tmp_path / "qwen3-5.gguf", shape, seed=3)
+    src = write_float_file(tmp_path / "gap.safetensors", 1, [2, 4], shape.n_embd, dtype="f32")
+    gap = str(convert(src, tmp_path / "gap.gguf", arch="qwen3").out)
+    expected = fmt.check_maps(read_gguf(gap), fmt.model_fingerprint(model)).errors
+    assert expected == ["ridgefill.layers leaves out late layers [3]: every layer after the split 1 needs a map"]
+    out = engine_load(model, [gap])
+    assert out[f"{gap}|resident"]["refused"] == f"{gap}: {expected[0]}"
     assert out["served"] is True

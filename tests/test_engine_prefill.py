@@ -334,7 +334,7 @@ def test_attaching_maps_to_an_architecture_without_the_prefill_is_refused_by_nam
     arch = "qwen35"  # hybrid Gated DeltaNet: a later issue
     shape = tiny_shape(arch)
     model = write_random_model(tmp_path / "m.gguf", shape, seed=1)
-    src = write_float_file(tmp_path / "m.safetensors", 1, [2], shape.n_embd, dtype="f32")
+    src = write_float_file(tmp_path / "m.safetensors", 1, [2, 3], shape.n_embd, dtype="f32")
     maps = convert(src, tmp_path / "m.maps.gguf", model=model, outtype="f32").out
     code = f"""
 from ridgefill_gguf import libs

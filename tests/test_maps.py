@@ -983,6 +983,30 @@ def test_verify_accepts_float_maps_for_a_tiny_model_without_a_fingerprint(tmp_pa
     assert result.exit_code == 0 and "fits" in result.output, result.output
 
 
+@pytest.mark.parametrize("kind", ["nan-scale", "inf-bias"])
+def test_verify_names_a_non_finite_value_in_a_map_or_a_bias(tmp_path, qwen3_maps, models, kind):
+    _, out = qwen3_maps
+    tensor = fmt.weight_name(3) if kind == "nan-scale" else fmt.bias_name(2)
+    raw = bytes.fromhex("007e") if kind == "nan-scale" else np.float32(-np.inf).tobytes()
+    data = bytearray(out.read_bytes())
+    start = read_gguf(out).tensors[tensor].offset + (34 if kind == "nan-scale" else 0)
+    data[start:start + len(raw)] = raw
+    bad = tmp_path / f"{kind}.gguf"
+    bad.write_bytes(bytes(data))
+    result = cli("verify", bad, models["qwen3"])
+    where = "(NaN) at element 32" if kind == "nan-scale" else "(Inf) at element 0"
+    assert_clean_failure(result, f"{bad}: tensor {tensor} holds a non-finite value {where}")
+    assert "fits" not in result.output
+
+
+def test_verify_refuses_maps_that_leave_out_a_late_layer(tmp_path, models):
+    src = float_source(tmp_path / "gap.safetensors", d_out=256, layers=[2], split=1, arch="qwen3")
+    out = tmp_path / "gap.gguf"
+    convert(src, out)
+    result = cli("verify", out, models["qwen3"])  # 4 layers: split 1 needs maps for 2 and 3
+    assert_clean_failure(result, "ridgefill.layers leaves out late layers [3]: every layer after the split 1 needs a map")
+
+
 def test_verify_lists_one_line_per_problem_for_maps_made_for_another_model(qwen3_maps, models):
     _, out = qwen3_maps
     result = cli("verify", out, models["llama"])  # llama, 2 layers, n_embd 128

@@ -271,7 +271,9 @@ def convert(src: str | Path, out: str | Path, *, model: str | Path | None = None
         return fmt.LayerMap(plan.layer, weight, qtype, plan.d_in, bias)
 
     fmt.write_maps(out, meta, plans, produce, force=force, progress=progress)
-    problems = fmt.check_maps(fmt.read_maps(out), fingerprint)
+    written = fmt.read_maps(out)
+    problems = fmt.check_maps(written, fingerprint)
+    problems.errors += fmt.check_values(written)
     if not problems.ok:  # a converter that writes what the engine refuses would be a bug: say so, keep nothing
         out.unlink()
         raise ConvertError("internal error, the written file fails its own checks:\n  " + "\n  ".join(problems.errors))

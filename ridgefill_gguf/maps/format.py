@@ -320,6 +320,10 @@ def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
         err(f"ridgefill.split {split} is outside the model's layers 1..{model.n_layer - 1}")
     if layers and max(layers) >= model.n_layer:
         err(f"ridgefill.layers holds layer {max(layers)}, the model has layers 0..{model.n_layer - 1}")
+    if split is not None and 0 < split < model.n_layer:
+        missing = sorted(set(range(split + 1, model.n_layer)) - set(layers))
+        if missing:  # the engine would otherwise fill such a layer with x_S unannounced
+            err(f"ridgefill.layers leaves out late layers {missing}: every layer after the split {split} needs a map")
     for d_in, d_out in sorted(widths):
         if d_in != model.n_embd or d_out != model.n_embd:
             err(f"a map is {d_out}x{d_in} (d_out x d_in), the model's residual stream is {model.n_embd} wide")
@@ -330,6 +334,40 @@ def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
         p.warnings.append("ridgefill.model.vocab_sha256 differs from the model's vocabulary: "
                           "the maps were fitted on another tokenizer")
     return p
+
+
+def _first_non_finite(info, raw: np.ndarray) -> tuple[int, str] | None:
+    """(element, "NaN" or "Inf") of a tensor's first non-finite value; a Q8_0 block's scale stands for its
+    first element (its int8 codes are always finite)."""
+    if info.type == QT.Q8_0:
+        values, per = raw.reshape(-1, 34)[:, :2].copy().view(np.float16).ravel(), 32
+    elif info.type == QT.BF16:
+        bits = raw.view(np.uint16)
+        bad = np.flatnonzero((bits & 0x7F80) == 0x7F80)
+        if not bad.size:
+            return None
+        return int(bad[0]), "NaN" if bits[bad[0]] & 0x7F else "Inf"
+    else:
+        values, per = raw.view(np.float16 if info.type == QT.F16 else np.float32), 1
+    bad = np.flatnonzero(~np.isfinite(values))
+    if not bad.size:
+        return None
+    return int(bad[0]) * per, "NaN" if np.isnan(values[bad[0]]) else "Inf"
+
+
+def check_values(g: GGUFFile) -> list[str]:
+    """The loader's value check: a NaN or Inf in a map, a bias or the frequency table refuses the file (one such
+    value would make every RidgeFill answer NaN). Reads every tensor's bytes."""
+    errors = []
+    read = [n for layer in maps_meta(g).layers for n in (weight_name(layer), bias_name(layer))] + [TOKEN_FREQ]
+    for name in read:  # what the engine reads, in its order
+        info = g.tensors.get(name)
+        if info is None or info.type not in (QT.Q8_0, QT.F16, QT.BF16, QT.F32):
+            continue  # check_maps names a missing tensor or a wrong type
+        found = _first_non_finite(info, np.asarray(g.raw(name)))
+        if found:
+            errors.append(f"tensor {name} holds a non-finite value ({found[1]}) at element {found[0]}")
+    return errors
 
 
 def _f32_value(x: float | None) -> float | None:
