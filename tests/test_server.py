@@ -283,3 +283,70 @@ def test_a_ridgefill_prefill_after_a_cached_prefix_gives_the_host_made_masks_pro
     assert device["timings"]["prompt_n"] < first["timings"]["prompt_n"]
     assert device["timings"]["ridgefill"]["filled"] > 0
     assert device["completion_probabilities"] == host["completion_probabilities"]
+
+
+OTHER = "An unrelated long prompt takes the slot, so that the first one moves to the RAM prompt cache. " * 30
+
+
+def top_logprob_gap(got: dict, want: dict) -> float:
+    """The largest difference between two responses' top log-probabilities (inf when the tokens differ)."""
+    gaps = []
+    for g, w in zip(got["completion_probabilities"], want["completion_probabilities"]):
+        if [x["id"] for x in g["top_logprobs"]] != [x["id"] for x in w["top_logprobs"]]:
+            return float("inf")
+        gaps += [abs(x["logprob"] - y["logprob"]) for x, y in zip(g["top_logprobs"], w["top_logprobs"])]
+    return max(gaps)
+
+
+# a stock prefill that reuses a few cached rows moves the last bits (its ubatches start later): about 1e-4 here,
+# where RidgeFill's approximated cells move the same numbers by about 7e-2
+STOCK_NOISE = 1e-3
+
+
+def test_a_stock_request_never_reuses_the_cells_a_ridgefill_request_approximated(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    log = d / "reuse.log"
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=log) as srv:
+        fresh = srv.complete(PROMPT, n_predict=4, ridgefill=False, n_probs=5)
+        approx = srv.complete(PROMPT, n_predict=4, n_probs=5)
+        follow_up = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True)
+        stock = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True, ridgefill=False)
+    n, k = fresh["timings"]["prompt_n"], stock["timings"]["cache_n"]
+    assert approx["timings"]["ridgefill"]["filled"] > 0
+    assert top_logprob_gap(approx, fresh) > 10 * STOCK_NOISE
+    # a RidgeFill request may reuse the approximated cells (the chat follow-up on a long document)
+    assert follow_up["timings"]["cache_n"] == n - 1
+    assert follow_up["completion_probabilities"] == approx["completion_probabilities"]
+    # the stock request reuses only the rows before the first filled one, and gets the stock prefill's numbers
+    assert 0 < k <= n - approx["timings"]["ridgefill"]["filled"] - approx["timings"]["ridgefill"]["tail"]
+    assert top_logprob_gap(stock, fresh) < STOCK_NOISE
+    assert f"reusing {k} cached tokens, not the {n - k} RidgeFill approximated" in log.read_text()
+
+
+def test_the_ram_prompt_cache_and_slot_files_carry_which_cells_are_approximated(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    saves = d / "slot-saves"
+    saves.mkdir(exist_ok=True)
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=d / "ram-cache.log",
+                extra=("--cache-ram", "64", "--slot-save-path", str(saves))) as srv:
+        fresh = srv.complete(PROMPT, n_predict=4, ridgefill=False, n_probs=5)
+        approx = srv.complete(PROMPT, n_predict=4, n_probs=5)
+        srv.complete(OTHER, n_predict=2, ridgefill=False)  # the slot's prompt goes to the RAM cache
+        from_ram = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True, ridgefill=False)
+
+        srv.complete(PROMPT, n_predict=4)  # RidgeFill again, then the slot to a file and back
+        srv.post("/slots/0?action=save", {"filename": "approx.bin"})
+        marks = (saves / "approx.bin.ridgefill").read_text()
+        srv.post("/slots/0?action=erase", {})
+        srv.post("/slots/0?action=restore", {"filename": "approx.bin"})
+        from_file = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True, ridgefill=False)
+    n = fresh["timings"]["prompt_n"]
+    assert top_logprob_gap(approx, fresh) > 10 * STOCK_NOISE
+    k = from_ram["timings"]["cache_n"]
+    assert 0 < k <= n - approx["timings"]["ridgefill"]["filled"] - approx["timings"]["ridgefill"]["tail"]
+    assert marks == f"approx_from {k}\n"
+    for got in (from_ram, from_file):
+        assert got["timings"]["cache_n"] == k
+        assert top_logprob_gap(got, fresh) < STOCK_NOISE
