@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""sha256 of the logits of every RidgeFill arm and selector the tests cover, on tiny random models (CPU).
+
+A refactor of the engine proves itself with this: run it on the commit before and on the commit after, and
+every digest must be the same.
+
+  python tools/arm_digests.py -o before.json                 # on the commit before the refactor
+  python tools/arm_digests.py -o after.json --compare before.json   # exits 1 and names the arms that moved
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ARCHS = ("llama", "qwen2", "qwen3")
+SPLIT = 1
+PROMPT = ("RidgeFill predicts the input of every late layer from the split layer's state, and the layer only "
+          "writes its cache from that prediction. Order 48213 ships with code 7719-0042 on 2026-12-02. ") * 5 + \
+         "Question: which code ships with order 48213?"
+
+# every parameter set explicitly, so that no run inherits the one before it
+DEFAULTS = {"tail": 40, "fill": "ridge", "exact_rows": [], "exact_random": [0, 0], "chunk": 48, "min_prefix": 0,
+            "probe": [0, 0], "attention": [64, 0.0], "blind": False, "rescale": [0, False, False],
+            "random_budget": [0.0, 0], "protected": 0.0, "whole_numbers": True}
+ARMS = {
+    "ridge": {}, "identity": {"fill": "identity"}, "none": {"fill": "none"}, "plumb": {"fill": "plumb"},
+    "oracle": {"fill": "oracle"}, "listed_rows": {"exact_rows": [10, 57]}, "random_rows": {"exact_random": [12, 7]},
+    "probe": {"probe": [16, 8]}, "budget": {"probe_budget": [16, 1.0]},
+    "budget_no_whole_numbers": {"probe_budget": [16, 1.0], "whole_numbers": False},
+    "random_budget": {"probe_budget": [16, 1.0], "random_budget": [1.0, 3]},
+    "attention": {"attention": [16, 0.2, [0]]}, "protected": {"protected": 0.25},
+    "blind_probe": {"probe": [16, 8], "blind": True}, "blind_attention": {"attention": [16, 0.2, [0]], "blind": True},
+    "rescale": {"rescale": [8, True, True]}, "rescale_probe": {"rescale": [8, True, True], "probe": [16, 8]},
+}
+ROWS_ARMS = {"rows_ridge": {}, "rows_none": {"fill": "none"}}  # the prefill's own logits for its last 40 rows
+STREAMED_ARMS = ("ridge", "probe", "budget")
+
+
+def make_models(folder: Path) -> dict[str, tuple[Path, Path]]:
+    from ridgefill_gguf.maps import format as fmt
+    from ridgefill_gguf.maps.convert import convert
+    from ridgefill_gguf.maps.merge import merge
+    from ridgefill_gguf.maps.synthetic import write_float_file
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    out = {}
+    for arch in ARCHS:
+        shape = dataclasses.replace(tiny_shape(arch), n_layer=4)
+        model = write_random_model(folder / f"{arch}.gguf", shape, seed=3)
+        src = write_float_file(folder / f"{arch}.safetensors", SPLIT, [2, 3], shape.n_embd, dtype="f32", seed=4)
+        maps = convert(src, folder / f"{arch}.maps.gguf", model=model, outtype="f32").out
+        n_vocab = fmt.model_fingerprint(model).n_vocab
+        freq = 1.0 + (np.arange(n_vocab) % 97).astype(np.float32)  # a fixed table, so protected rows differ
+        out[arch] = (model, merge([maps], folder / f"{arch}.maps-freq.gguf", token_freq=freq))
+    return out
+
+
+def runs_for(placement: str) -> list[dict]:
+    names = ARMS if placement == "resident" else {k: ARMS[k] for k in STREAMED_ARMS}
+    runs = [{"name": "stock", "stock": True}] if placement == "resident" else []
+    runs += [{"name": n, "params": {**DEFAULTS, **p}} for n, p in names.items()]
+    if placement == "resident":
+        runs += [{"name": n, "rows": 40, "params": {**DEFAULTS, **p}} for n, p in ROWS_ARMS.items()]
+    return runs
+
+
+def run_one(model: Path, maps: Path, flash: bool, placement: str, tmp: Path) -> dict[str, dict]:
+    spec = {"model": str(model), "n_ctx": 512, "prompt": PROMPT, "runs": runs_for(placement),
+            "session": {"n_batch": 64, "n_ubatch": 32, "n_threads": 2, "maps": str(maps), "placement": placement,
+                        "flash_attn": flash}}
+    spec_file, out = tmp / "spec.json", tmp / "out.npz"
+    spec_file.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.engine.session", "--build", "ridgefill",
+                           "--spec", str(spec_file), "-o", str(out)], cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"arm_digests: the engine run failed:\n{proc.stdout[-3000:]}")
+    stats = json.loads(out.with_suffix(".json").read_text())
+    result = {}
+    with np.load(out) as data:
+        for run in spec["runs"]:
+            arr = data[run["name"]]
+            st = stats.get(run["name"], {})
+            result[run["name"]] = {"sha256": hashlib.sha256(arr.tobytes()).hexdigest(),
+                                   "applied": st.get("applied"), "exact": st.get("n_exact"),
+                                   "filled": st.get("n_filled")}
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-o", "--out", type=Path, required=True, help="JSON of digests to write")
+    ap.add_argument("--compare", type=Path, help="digests of the commit before: exit 1 where any differs")
+    args = ap.parse_args()
+    digests = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        models = make_models(tmp)
+        for arch, (model, maps) in models.items():
+            for flash in (False, True):
+                for placement in ("resident", "streamed"):
+                    key = f"{arch}|flash={'on' if flash else 'off'}|{placement}"
+                    digests[key] = run_one(model, maps, flash, placement, tmp)
+                    print(f"{key}: {len(digests[key])} arms", flush=True)
+    n = sum(len(v) for v in digests.values())
+    not_applied = [f"{k}|{a}" for k, v in digests.items() for a, r in v.items() if a != "stock" and r["applied"] != 1]
+    if not_applied:
+        raise SystemExit(f"arm_digests: RidgeFill did not run for {', '.join(not_applied)}")
+    tmp_out = args.out.with_suffix(".tmp")
+    tmp_out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out.write_text(json.dumps({"arms": n, "digests": digests}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp_out, args.out)
+    print(f"arm_digests: {n} arms -> {args.out}")
+    if args.compare:
+        before = json.loads(args.compare.read_text())["digests"]
+        moved = [f"{k}|{a}" for k, v in digests.items() for a, r in v.items()
+                 if before.get(k, {}).get(a, {}).get("sha256") != r["sha256"]]
+        missing = [f"{k}|{a}" for k, v in before.items() for a in v if a not in digests.get(k, {})]
+        if moved or missing:
+            print(f"arm_digests: {len(moved)} arms moved: {', '.join(moved)}" +
+                  (f"; missing: {', '.join(missing)}" if missing else ""))
+            return 1
+        print(f"arm_digests: all {n} arms byte-identical to {args.compare}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
