@@ -17,7 +17,7 @@ llama_cpp = libs.use_build("ridgefill")
 path = sys.argv[1] if len(sys.argv) > 1 else {model!r}
 llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_batch=64, n_ubatch=64, verbose=False)
 ctx, model = llm.ctx, llm.model
-out = {{"supported": bindings.arch_supported(model)}}
+out = {{"supported": bindings.capture_supported(model)}}
 n_layer, n_embd = llama_cpp.llama_model_n_layer(model), llm.n_embd()
 try:
     bindings.capture_layer_input(ctx, n_layer, True)

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 7
+API_VERSION = 8
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -38,7 +38,7 @@ def available() -> bool:
 _SIGNATURES = {
     "llama_ridgefill_api_version": (ctypes.c_uint32, []),
     "llama_ridgefill_build_info": (ctypes.c_char_p, []),
-    "llama_ridgefill_arch_supported": (ctypes.c_bool, [ctypes.c_void_p]),
+    "llama_ridgefill_capture_supported": (ctypes.c_bool, [ctypes.c_void_p]),
     "llama_ridgefill_capture_layer_input": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]),
     "llama_ridgefill_get_layer_input": (ctypes.POINTER(ctypes.c_float), [ctypes.c_void_p, ctypes.c_int32]),
     "llama_ridgefill_capture_on_device": (None, [ctypes.c_void_p, ctypes.c_bool]),
@@ -55,27 +55,10 @@ _SIGNATURES = {
     "llama_ridgefill_maps_bytes": (ctypes.c_uint64, [ctypes.c_void_p]),
     "llama_ridgefill_maps_warnings": (ctypes.c_char_p, [ctypes.c_void_p]),
     "llama_ridgefill_attach": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_void_p]),
-    "llama_ridgefill_set_tail": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
-    "llama_ridgefill_set_fill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int]),
-    "llama_ridgefill_set_exact_rows": (ctypes.c_int32,
-                                       [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
-    "llama_ridgefill_set_exact_random": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32]),
-    "llama_ridgefill_set_chunk": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
-    "llama_ridgefill_set_min_prefix": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
-    "llama_ridgefill_set_probe": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
-    "llama_ridgefill_set_probe_share": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
-    "llama_ridgefill_set_selector_blind": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
-    "llama_ridgefill_set_whole_numbers": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
-    "llama_ridgefill_set_probe_budget": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float]),
-    "llama_ridgefill_set_random_budget": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_float, ctypes.c_uint32]),
-    "llama_ridgefill_set_protected": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_float]),
     "llama_ridgefill_select_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32),
                                                      ctypes.c_int32, ctypes.c_int32, ctypes.c_int,
                                                      ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_maps_has_unigrams": (ctypes.c_bool, [ctypes.c_void_p]),
-    "llama_ridgefill_set_rescale": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool, ctypes.c_bool]),
-    "llama_ridgefill_set_attention_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float,
-                                                             ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                  ctypes.c_int32, ctypes.c_int32]),
 }
@@ -104,11 +87,39 @@ class Stats(ctypes.Structure):
 
 
 _SIGNATURES["llama_ridgefill_get_stats"] = (None, [ctypes.c_void_p, ctypes.POINTER(Stats)])
-_SIGNATURES["llama_ridgefill_set_logits_rows"] = (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32])
 _SIGNATURES["llama_ridgefill_get_logits"] = (ctypes.POINTER(ctypes.c_float),
                                              [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)])
 _SIGNATURES["llama_ridgefill_get_exact_rows"] = (ctypes.POINTER(ctypes.c_int32),
                                                  [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)])
+
+
+class Params(ctypes.Structure):
+    """struct llama_ridgefill_params"""
+    _fields_ = [("n_tail", ctypes.c_int32), ("min_prefix", ctypes.c_int32), ("chunk", ctypes.c_int32),
+                ("probe_rows", ctypes.c_int32), ("probe_budget", ctypes.c_float), ("probe_share", ctypes.c_float),
+                ("attention_share", ctypes.c_float), ("protected_share", ctypes.c_float),
+                ("whole_numbers", ctypes.c_bool), ("rescale_rows", ctypes.c_int32), ("rescale_values", ctypes.c_bool),
+                ("rescale_keys", ctypes.c_bool), ("logits_rows", ctypes.c_int32)]
+
+
+_SIGNATURES["llama_ridgefill_default_params"] = (Params, [])
+_SIGNATURES["llama_ridgefill_set_params"] = (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(Params)])
+_SIGNATURES["llama_ridgefill_get_params"] = (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(Params)])
+_SIGNATURES["llama_ridgefill_params_select"] = (ctypes.c_int32, [ctypes.POINTER(Params), ctypes.c_char_p, ctypes.c_float,
+                                                                 ctypes.c_float, ctypes.c_int32])
+# the research controls (llama-ridgefill-research.h): the ladder's and the eval's instruments
+_SIGNATURES.update({
+    "llama_ridgefill_research_set_fill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int]),
+    "llama_ridgefill_research_set_exact_rows": (ctypes.c_int32,
+                                                [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "llama_ridgefill_research_set_exact_random": (ctypes.c_int32,
+                                                  [ctypes.c_void_p, ctypes.c_int32, ctypes.c_float, ctypes.c_uint32]),
+    "llama_ridgefill_research_set_random_budget": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_float, ctypes.c_uint32]),
+    "llama_ridgefill_research_set_probe_count": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32]),
+    "llama_ridgefill_research_set_attention_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32,
+                                                                     ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "llama_ridgefill_research_set_blind": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_bool]),
+})
 
 
 class PrefillError(RuntimeError):
@@ -156,59 +167,92 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
     lib = _prefill_lib()
     if lib.llama_ridgefill_attach(ctx, maps.handle if maps else None) != 0:
         raise RidgeFillUnavailable(lib.llama_ridgefill_last_error().decode())
+    _configs.pop(_ctx_key(ctx), None)  # a fresh attachment starts from the defaults
 
 
-def configure(ctx, *, tail: int | None = None, fill: str | None = None, exact_rows: list[int] | None = None,
-              exact_random: tuple[int, int] | None = None, chunk: int | None = None,
-              min_prefix: int | None = None, logits_rows: int | None = None,
-              probe: tuple[int, int] | None = None, attention: tuple | None = None,
-              blind: bool | None = None, rescale: tuple[int, bool, bool] | None = None,
-              probe_budget: tuple[int, float] | None = None, random_budget: tuple[float, int] | None = None,
-              protected: float | None = None, whole_numbers: bool | None = None) -> None:
-    """Set prefill parameters on a context with maps attached; None leaves a parameter as it is."""
+# configure's keywords, in the order it applies them; probe and probe_budget replace each other
+CONFIG_KEYS = ("tail", "fill", "exact_rows", "exact_random", "chunk", "min_prefix", "logits_rows", "probe",
+               "probe_budget", "random_budget", "protected", "rescale", "whole_numbers", "blind", "attention")
+_REPLACES = {"probe": "probe_budget", "probe_budget": "probe"}
+# what configure has been given per context (by address): each call sets the whole configuration again, since
+# llama_ridgefill_set_params turns the research controls off
+_configs: dict[int, dict] = {}
+
+
+def _ctx_key(ctx) -> int:
+    return ctypes.cast(ctx, ctypes.c_void_p).value or 0
+
+
+def configure(ctx, **kw) -> None:
+    """Set prefill parameters on a context with maps attached; a keyword left out (or None) keeps the value it was
+    given before. tail, chunk, min_prefix, logits_rows, whole_numbers: as named; probe_budget (rows, factor),
+    protected (share), rescale (rows, values, keys) and attention (query rows, share[, layers]) set the production
+    parameters; fill, exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and
+    blind are research controls."""
+    unknown = sorted(set(kw) - set(CONFIG_KEYS))
+    if unknown:
+        raise TypeError(f"configure() got unknown parameters: {', '.join(unknown)}")
+    if kw.get("fill") is not None and kw["fill"] not in FILLS:
+        raise ValueError(f"fill must be one of {', '.join(FILLS)}, not {kw['fill']!r}")
+    config = dict(_configs.get(_ctx_key(ctx), {}))
+    for key in CONFIG_KEYS:
+        if kw.get(key) is not None:
+            config.pop(_REPLACES.get(key, ""), None)
+            config[key] = kw[key]
+    _apply(ctx, config)
+    _configs[_ctx_key(ctx)] = config
+
+
+def _apply(ctx, c: dict) -> None:
     lib = _prefill_lib()
-    calls = []
-    if tail is not None:
-        calls.append(("tail", lib.llama_ridgefill_set_tail(ctx, tail)))
-    if fill is not None:
-        if fill not in FILLS:
-            raise ValueError(f"fill must be one of {', '.join(FILLS)}, not {fill!r}")
-        calls.append(("fill", lib.llama_ridgefill_set_fill(ctx, FILLS[fill])))
-    if exact_rows is not None:
-        arr = (ctypes.c_int32 * len(exact_rows))(*exact_rows)
-        calls.append(("exact_rows", lib.llama_ridgefill_set_exact_rows(ctx, arr, len(exact_rows))))
-    if exact_random is not None:
-        calls.append(("exact_random", lib.llama_ridgefill_set_exact_random(ctx, *exact_random)))
-    if chunk is not None:
-        calls.append(("chunk", lib.llama_ridgefill_set_chunk(ctx, chunk)))
-    if min_prefix is not None:
-        calls.append(("min_prefix", lib.llama_ridgefill_set_min_prefix(ctx, min_prefix)))
-    if logits_rows is not None:
-        calls.append(("logits_rows", lib.llama_ridgefill_set_logits_rows(ctx, logits_rows)))
-    if probe is not None:  # (rows that run the probe, prefix rows it makes exact)
-        calls.append(("probe", lib.llama_ridgefill_set_probe(ctx, *probe)))
-    if probe_budget is not None:  # (rows that run the probe, budget factor): E from the base rules
-        calls.append(("probe_budget", lib.llama_ridgefill_set_probe_budget(ctx, *probe_budget)))
-    if random_budget is not None:  # (budget factor, seed): E random rows, the budget's control
-        calls.append(("random_budget", lib.llama_ridgefill_set_random_budget(ctx, *random_budget)))
-    if protected is not None:  # the rarest share of the protected-class tokens
-        calls.append(("protected", lib.llama_ridgefill_set_protected(ctx, protected)))
-    if rescale is not None:  # (tail rows that measure, values, keys)
-        calls.append(("rescale", lib.llama_ridgefill_set_rescale(ctx, *rescale)))
-    if whole_numbers is not None:  # with the budget: a number the probe kept in part runs exactly whole
-        calls.append(("whole_numbers", lib.llama_ridgefill_set_whole_numbers(ctx, whole_numbers)))
-    if blind is not None:  # the question-blind control: the selectors' queries end before the tail
-        calls.append(("blind", lib.llama_ridgefill_set_selector_blind(ctx, blind)))
-    if attention is not None:  # (query rows, share of the prefix[, layers]): the attention selector
-        n_query, share, *rest = attention
+    p = lib.llama_ridgefill_default_params()
+    for key, field in (("tail", "n_tail"), ("chunk", "chunk"), ("min_prefix", "min_prefix"),
+                       ("logits_rows", "logits_rows"), ("whole_numbers", "whole_numbers"),
+                       ("protected", "protected_share")):
+        if key in c:
+            setattr(p, field, c[key])
+    if "probe" in c:
+        p.probe_rows = c["probe"][0]
+    if "probe_budget" in c:
+        p.probe_rows, p.probe_budget = c["probe_budget"]
+    if "rescale" in c:
+        p.rescale_rows, p.rescale_values, p.rescale_keys = c["rescale"]
+    if "attention" in c:
+        p.attention_share = c["attention"][1]
+    calls = [("params", lib.llama_ridgefill_set_params(ctx, ctypes.byref(p)))]
+    if "fill" in c:
+        calls.append(("fill", lib.llama_ridgefill_research_set_fill(ctx, FILLS[c["fill"]])))
+    if "exact_rows" in c:
+        rows = c["exact_rows"]
+        calls.append(("exact_rows", lib.llama_ridgefill_research_set_exact_rows(
+            ctx, (ctypes.c_int32 * len(rows))(*rows), len(rows))))
+    if "exact_random" in c:
+        n_rows, seed = c["exact_random"]
+        calls.append(("exact_random", lib.llama_ridgefill_research_set_exact_random(ctx, n_rows, 0.0, seed)))
+    if "probe" in c:
+        calls.append(("probe", lib.llama_ridgefill_research_set_probe_count(ctx, c["probe"][1])))
+    if "random_budget" in c:
+        calls.append(("random_budget", lib.llama_ridgefill_research_set_random_budget(ctx, *c["random_budget"])))
+    if "blind" in c:
+        calls.append(("blind", lib.llama_ridgefill_research_set_blind(ctx, c["blind"])))
+    if "attention" in c:
+        n_query, _, *rest = c["attention"]
         layers = list(rest[0]) if rest and rest[0] is not None else None
         arr = (ctypes.c_int32 * len(layers))(*layers) if layers else None
-        calls.append(("attention", lib.llama_ridgefill_set_attention_rows(ctx, n_query, share, arr,
-                                                                           len(layers) if layers else 0)))
+        calls.append(("attention", lib.llama_ridgefill_research_set_attention_rows(ctx, n_query, arr,
+                                                                                    len(layers) if layers else 0)))
     for name, rc in calls:
         if rc != 0:
             err = lib.llama_ridgefill_last_error().decode()
             raise ValueError(f"RidgeFill parameter {name} refused" + (f": {err}" if err else ""))
+
+
+def params(ctx) -> dict:
+    """The production parameters the context holds (llama_ridgefill_get_params)."""
+    p = Params()
+    if _prefill_lib().llama_ridgefill_get_params(ctx, ctypes.byref(p)) != 0:
+        raise RidgeFillUnavailable(not_applied_reason())
+    return {name: getattr(p, name) for name, _ in Params._fields_}
 
 
 def prefill(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0) -> bool:
@@ -241,7 +285,7 @@ def stats(ctx) -> dict:
 
 
 def logits(ctx, n_vocab: int) -> np.ndarray:
-    """The last prefill's own logits (llama_ridgefill_set_logits_rows): float32 [n_rows, n_vocab]."""
+    """The last prefill's own logits (the logits_rows parameter): float32 [n_rows, n_vocab]."""
     n = ctypes.c_int32(0)
     ptr = _prefill_lib().llama_ridgefill_get_logits(ctx, ctypes.byref(n))
     if not ptr or n.value == 0:
@@ -284,8 +328,8 @@ def _fn(name: str):
     return fn
 
 
-def arch_supported(model) -> bool:
-    return bool(_bound().llama_ridgefill_arch_supported(model))
+def capture_supported(model) -> bool:
+    return bool(_bound().llama_ridgefill_capture_supported(model))
 
 
 def capture_layer_input(ctx, layer: int, enable: bool = True) -> None:

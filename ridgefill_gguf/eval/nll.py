@@ -1,7 +1,7 @@
 """`ridgefill-gguf eval nll`: loss on the last tokens of long documents under each arm, against exact.
 
 Per document (its first `max_tokens` tokens): the last `score` tokens are scored. Exact loss comes from a stock
-prefill; each RidgeFill arm's from the prefill's own logits (llama_ridgefill_set_logits_rows), so `none`
+prefill; each RidgeFill arm's from the prefill's own logits (the logits_rows parameter), so `none`
 hides the filled rows from the scored rows as the method defines it. Novel tokens lie inside no 8-token run
 seen earlier in the document; key tokens lose more than 2 nats when the context is cut to the last `tail`
 tokens before the scored block (a second stock prefill). ΔNLL = arm minus exact, per document (mean over its

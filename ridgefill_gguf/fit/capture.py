@@ -90,7 +90,7 @@ class Capturer:
                                         n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=n_gpu_layers,
                                         logits_all=False, verbose=False, **llama_kwargs)
         self.ctx, self.model = self.llm.ctx, self.llm.model
-        if not bindings.arch_supported(self.model):
+        if not bindings.capture_supported(self.model):
             arch = self.llm.metadata.get("general.architecture", "?")
             raise ValueError(f"architecture '{arch}' is not supported by RidgeFill capture "
                              "(llama, qwen2, qwen3, qwen35, qwen3next, gemma3)")

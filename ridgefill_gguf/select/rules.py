@@ -125,7 +125,7 @@ def digit_rows(pieces: Sequence[bytes], breaks: Sequence[bool], n_prefix: int) -
 
 def whole_number_rows(digits: Sequence[int], exact: set[int]) -> list[int]:
     """The digit rows the budgeted probe adds: every number (a run of consecutive digit rows) with an exact row runs
-    exactly whole (llama_ridgefill_set_whole_numbers)."""
+    exactly whole (the whole_numbers parameter)."""
     out, run = [], []
     for r in [*sorted(digits), None]:
         if run and (r is None or r != run[-1] + 1):
