@@ -322,6 +322,47 @@ def test_a_stock_request_never_reuses_the_cells_a_ridgefill_request_approximated
     assert 0 < k <= n - approx["timings"]["ridgefill"]["filled"] - approx["timings"]["ridgefill"]["tail"]
     assert top_logprob_gap(stock, fresh) < STOCK_NOISE
     assert f"reusing {k} cached tokens, not the {n - k} RidgeFill approximated" in log.read_text()
+    # each response says how many approximated positions it reused
+    assert follow_up["timings"]["ridgefill"] == {"approx_reused": n - 1 - k}
+    assert "ridgefill" not in stock["timings"]
+
+
+def metric(srv: Server, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(f"llamacpp:{name} "):
+                return float(line.split()[1])
+    raise AssertionError(f"llamacpp:{name} is not in /metrics")
+
+
+def test_the_exact_only_policy_keeps_ridgefill_requests_off_approximated_cells_and_metrics_count_the_rest(
+        model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("--metrics",), log_path=d / "any.log") as srv:
+        srv.complete(PROMPT, n_predict=4)
+        allowed = srv.complete(PROMPT, n_predict=4, cache_prompt=True)
+        srv.complete(PROMPT, n_predict=4)
+        refused = srv.complete(PROMPT, n_predict=4, cache_prompt=True, ridgefill_reuse="exact-only")
+        with pytest.raises(ServerError, match="ridgefill_reuse must be any or exact-only, not 'sometimes'"):
+            srv.complete(PROMPT, n_predict=1, ridgefill_reuse="sometimes")
+        total = metric(srv, "ridgefill_approx_reused_total")
+    env = {"LLAMA_ARG_RIDGEFILL_REUSE": "exact-only"}
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, env=env, log_path=d / "exact-only.log") as srv:
+        srv.complete(PROMPT, n_predict=4)
+        server_policy = srv.complete(PROMPT, n_predict=4, cache_prompt=True)
+        request_any = srv.complete(PROMPT, n_predict=4, cache_prompt=True, ridgefill_reuse="any")
+    n = allowed["timings"]["prompt_n"] + allowed["timings"]["cache_n"]
+    k = refused["timings"]["cache_n"]
+    assert allowed["timings"]["cache_n"] == n - 1 and allowed["timings"]["ridgefill"]["approx_reused"] == n - 1 - k
+    # exact-only: the RidgeFill request re-prefills from the first approximated row, RidgeFill included
+    assert 0 < k < n // 2 and refused["timings"]["ridgefill"]["filled"] > 0
+    assert "approx_reused" not in refused["timings"]["ridgefill"]
+    assert total == n - 1 - k
+    assert server_policy["timings"]["cache_n"] == k
+    assert request_any["timings"]["ridgefill"]["approx_reused"] > 0
 
 
 def test_the_ram_prompt_cache_and_slot_files_carry_which_cells_are_approximated(model_and_maps):
