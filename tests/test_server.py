@@ -289,10 +289,11 @@ OTHER = "An unrelated long prompt takes the slot, so that the first one moves to
 
 
 def top_logprob_gap(got: dict, want: dict) -> float:
-    """The largest difference between two responses' top log-probabilities (inf when the tokens differ)."""
+    """The largest difference between two responses' top log-probabilities, in rank order (inf when the generated
+    tokens differ; near-ties among the others may swap places)."""
     gaps = []
     for g, w in zip(got["completion_probabilities"], want["completion_probabilities"]):
-        if [x["id"] for x in g["top_logprobs"]] != [x["id"] for x in w["top_logprobs"]]:
+        if g["id"] != w["id"]:
             return float("inf")
         gaps += [abs(x["logprob"] - y["logprob"]) for x, y in zip(g["top_logprobs"], w["top_logprobs"])]
     return max(gaps)
@@ -391,3 +392,28 @@ def test_the_ram_prompt_cache_and_slot_files_carry_which_cells_are_approximated(
     for got in (from_ram, from_file):
         assert got["timings"]["cache_n"] == k
         assert top_logprob_gap(got, fresh) < STOCK_NOISE
+
+
+def test_cache_reuse_by_shifting_moves_the_mark_of_the_approximated_cells_with_them(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    sentences = [f"Sentence {w} of the exact prefix is plain text." for w in
+                 ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")]
+    a = " ".join(sentences) + " " + " ".join(sentences)
+    a_cut = " ".join(sentences[:4] + sentences[5:]) + " " + " ".join(sentences)
+    b = " The RidgeFill part follows the exact prefix and is approximated." * 20
+    extra = ("--cache-reuse", "8", "--ridgefill-select", "none")
+    with Server(model, maps, tail=32, min_prefix=0, threads=2, extra=extra, log_path=d / "shift.log") as srv:
+        tok = lambda text: srv.post("/tokenize", {"content": text, "add_special": True})["tokens"]  # noqa: E731
+        srv.complete(a, n_predict=1, ridgefill=False, cache_prompt=True)
+        approx = srv.complete(a + b, n_predict=1, cache_prompt=True)  # RidgeFill over the cached exact prefix
+        srv.complete(a_cut + b, n_predict=1, cache_prompt=True)  # a RidgeFill request: chunks shift left
+        stock = srv.complete(a_cut + b, n_predict=4, n_probs=5, cache_prompt=True, ridgefill=False)
+        fresh = srv.complete(a_cut + b, n_predict=4, n_probs=5, ridgefill=False)
+        removed = len(tok(a)) - len(tok(a_cut))
+    assert approx["timings"]["ridgefill"]["filled"] > 0 and removed > 0
+    # the approximated cells began right after the exact prefix, and moved left with their chunk: the stock request
+    # reuses the exact prefix as shifted (upstream's own approximation, so its numbers are not a fresh prefill's)
+    # and not one approximated cell
+    assert stock["timings"]["cache_n"] == approx["timings"]["cache_n"] - removed
+    assert stock["timings"]["prompt_n"] == fresh["timings"]["prompt_n"] - stock["timings"]["cache_n"]
