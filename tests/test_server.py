@@ -417,3 +417,22 @@ def test_cache_reuse_by_shifting_moves_the_mark_of_the_approximated_cells_with_t
     # and not one approximated cell
     assert stock["timings"]["cache_n"] == approx["timings"]["cache_n"] - removed
     assert stock["timings"]["prompt_n"] == fresh["timings"]["prompt_n"] - stock["timings"]["cache_n"]
+
+
+def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cells_begin(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    extra = ("--ridgefill-reuse", "exact-only", "--ridgefill-budget", "1.5")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "props.log") as srv:
+        props = srv.get("/props")["ridgefill"]
+        before = srv.get("/slots")[0]["ridgefill_approx_from"]
+        srv.complete(PROMPT, n_predict=2)
+        after = srv.get("/slots")[0]["ridgefill_approx_from"]
+        srv.complete(PROMPT, n_predict=2, ridgefill=False)
+        stock = srv.get("/slots")[0]["ridgefill_approx_from"]
+    with Server(model, None, threads=2, log_path=d / "props-off.log") as srv:
+        off = srv.get("/props").get("ridgefill")
+    assert props == {**props, "maps": str(maps), "placement": "resident", "tail": 64, "min_prefix": 0,
+                     "select": "probe", "budget": 1.5, "reuse": "exact-only", "whole_numbers": True}
+    assert before == -1 and after >= 1 and stock == -1  # the stock prefill (no cache) left only exact cells
+    assert off is None
