@@ -97,7 +97,7 @@ def run_demo(model_key: str | None = None, max_tokens: int = 24, min_tokens: int
         echo(f"{label:22}" + "".join(f"| {textwrap.shorten(str(v), 24):26}" for v in values))
     for name in names[1:]:
         st = arms[name]["ridgefill"] or {}
-        if not st or "refused" in st:
+        if not st or "refused" in st or "not_used" in st or "failed" in st:
             echo(f"\n{name} did not run on this prompt (see the server log)")
             continue
         echo(f"\n{name}: split {st['split']}, {st['filled']} rows filled, {st['exact']} exact "

@@ -436,3 +436,17 @@ def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cel
                      "select": "probe", "budget": 1.5, "reuse": "exact-only", "whole_numbers": True}
     assert before == -1 and after >= 1 and stock == -1  # the stock prefill (no cache) left only exact cells
     assert off is None
+
+
+def test_a_request_that_asked_for_ridgefill_and_got_the_stock_prefill_says_why(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    log = d / "not-used.log"
+    with Server(model, maps, tail=64, threads=2, log_path=log) as srv:  # min_prefix: the engine's 256
+        short = srv.complete("A short prompt. " * 40, n_predict=2)
+        asked_off = srv.complete("A short prompt. " * 40, n_predict=2, ridgefill=False)
+    why = short["timings"]["ridgefill"]["not_used"]
+    assert short["timings"]["ridgefill"] == {"not_used": why} and "shorter than min_prefix 256" in why
+    assert "ridgefill" not in asked_off["timings"]
+    lines = [x for x in log.read_text().splitlines() if "RidgeFill not used" in x]
+    assert len(lines) == 1 and " I slot " in lines[0] and why in lines[0]
