@@ -27,10 +27,18 @@ def save_figure(fig, path: Path, dpi: int = 120) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415 - plotting is optional
 
     path = Path(path)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=dpi)
-    plt.close(fig)
-    os.replace(tmp, path)
+    # a name of its own per writer: shards that finish together each write the summary
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
 
 
 def sha256_file(path: Path) -> str:
