@@ -11,11 +11,11 @@ always exact. Per late layer:
     ssm_out; the tail continues the carried states.
 Exact rows then add the FFN; filled rows never need a layer output (the next layer predicts again from x_S).
 The probe (which filled rows to make exact) runs the prompt's last n_probe rows through the late layers over the
-prefix's cache: attention layers read the prefix K/V and the probe rows' own (the tail's other rows hidden);
-DeltaNet layers start the probe rows from an empty conv and recurrent state and write nothing back. A prefix row's
-score is the attention the probe rows pay it, summed over the late attention layers, heads and probe rows. The
-prefix cache it reads is this pass's (row 0 and the given exact rows exact, their DeltaNet states carried as above);
-each late layer runs the prefix, then the probe, then the tail, over one cache. The probe refuses the rescale (the
+filled cache, before any prefix row runs exactly: attention layers read every prefix row's K/V from its prediction
+(row 0 and the given exact rows too) and the probe rows' own (the tail's other rows hidden); DeltaNet layers start
+the probe rows from an empty conv and recurrent state and write nothing back. A prefix row's score is the attention
+the probe rows pay it, summed over the late attention layers, heads and probe rows. Each late layer runs the
+prefix, then the probe, then the tail; only the probe reads the filled K/V of the exact rows. The probe refuses the rescale (the
 engine's probe reads the unscaled fill), and the rescale acts on layers after S only, as in reference.py.
 Everything is float64; with fill="oracle", or every prefix row exact, the arm is the stock forward.
 """
@@ -150,9 +150,9 @@ class HybridRidgeFill:
         return self.ref.attend(layer, q, gate, rows, cache.k[layer], cache.v[layer], np.arange(len(h)))
 
     def _probe(self, layer: int, xq: np.ndarray, probe: np.ndarray, p: int, cache: HybridCache,
-               score: np.ndarray) -> np.ndarray:
-        """The probe rows (stream xq) through layer `layer` over the prefix's cache, which they only read: their
-        stream after it. Their attention to the prefix rows is added to `score`."""
+               score: np.ndarray, x_split: np.ndarray) -> np.ndarray:
+        """The probe rows (stream xq) through layer `layer` over the prefix's filled K/V, which they only read:
+        their stream after it. Their attention to the prefix rows is added to `score`."""
         ref, idx = self.ref, np.arange(len(probe))
         h = ref.rms(xq, ref.w(f"blk.{layer}.attn_norm.weight"))
         if ref.hp.recurrent[layer]:
@@ -161,7 +161,9 @@ class HybridRidgeFill:
             return self._ffn(layer, xq, out, idx)
         q, gate = ref.query(layer, h, probe)
         kq, vq = ref.kv(layer, h, probe)
-        k, v = np.concatenate([cache.k[layer][:p], kq]), np.concatenate([cache.v[layer][:p], vq])
+        filled = ref.rms(self.predicted(layer, x_split[:p], None), ref.w(f"blk.{layer}.attn_norm.weight"))
+        kf, vf = ref.kv(layer, filled, np.arange(p))
+        k, v = np.concatenate([kf, kq]), np.concatenate([vf, vq])
         kv_pos = np.concatenate([np.arange(p), probe])  # the tail's other rows hidden
         score += attention_probabilities(ref, q, probe, k, kv_pos)[:, :, :p].sum(axis=(0, 1))
         return self._ffn(layer, xq, ref.attend(layer, q, gate, probe, k, v, kv_pos), idx)
@@ -176,6 +178,8 @@ class HybridRidgeFill:
         ref, n = self.ref, len(tokens)
         if n_probe and self.rescale:
             raise ValueError("the probe reads the unscaled fill: run it without the rescale")
+        if n_probe and self.fill == "oracle":
+            raise ValueError("the probe reads the filled cache: the oracle has none")
         if not 0 <= n_probe <= min(self.tail, n):
             raise ValueError(f"n_probe must be within the tail, not {n_probe}")
         p = max(n - self.tail, 0)
@@ -199,7 +203,7 @@ class HybridRidgeFill:
             else:
                 self._write_kv(layer, h, x, x_split, exact, p, cache, info)
             if n_probe:
-                xq = self._probe(layer, xq, probe, p, cache, score)
+                xq = self._probe(layer, xq, probe, p, cache, score, x_split)
             if ref.hp.recurrent[layer]:
                 out = np.concatenate([out, self._deltanet_tail(layer, h, p, cache)])
             else:

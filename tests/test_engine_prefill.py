@@ -329,13 +329,39 @@ def test_a_prompt_too_short_for_ridgefill_takes_the_stock_path_untouched(deep_ti
     assert arrays["short"].tobytes() == arrays["stock"].tobytes()
 
 
+def as_architecture(src, dst, arch: str):
+    """A copy of a GGUF under another architecture's name (its keys renamed), e.g. a llama model as smollm3, whose
+    loader reads the same keys and tensors."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    old = r.fields["general.architecture"].contents()
+    w = GGUFWriter(str(dst), arch=arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        name = arch + f.name[len(old):] if f.name.startswith(old + ".") else f.name
+        w.add_key_value(name, f.contents(), f.types[0],
+                        sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def test_attaching_maps_to_an_architecture_without_the_prefill_is_refused_by_name(tmp_path):
     require_builds("ridgefill")
-    arch = "qwen35"  # hybrid Gated DeltaNet: a later issue
-    shape = tiny_shape(arch)
-    model = write_random_model(tmp_path / "m.gguf", shape, seed=1)
+    arch = "smollm3"  # llama's keys and tensors under a name the engine has no adapter for
+    shape = dataclasses.replace(tiny_shape("llama"), n_layer=4)
+    llama = write_random_model(tmp_path / "llama.gguf", shape, seed=1)
     src = write_float_file(tmp_path / "m.safetensors", 1, [2, 3], shape.n_embd, dtype="f32")
-    maps = convert(src, tmp_path / "m.maps.gguf", model=model, outtype="f32").out
+    llama_maps = convert(src, tmp_path / "llama.maps.gguf", model=llama, outtype="f32").out
+    model = as_architecture(llama, tmp_path / "m.gguf", arch)
+    maps = as_architecture(llama_maps, tmp_path / "m.maps.gguf", arch)
     code = f"""
 from ridgefill_gguf import libs
 from ridgefill_gguf.engine import bindings

@@ -15,6 +15,7 @@ from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
 from ridgefill_gguf.serve import Server, ServerError, free_port
+from test_reference_hybrid import long_memory_copy
 
 PROMPT = "A long prompt for the server: every late layer's cache is written from a prediction. " * 30
 
@@ -450,3 +451,39 @@ def test_a_request_that_asked_for_ridgefill_and_got_the_stock_prefill_says_why(m
     assert "ridgefill" not in asked_off["timings"]
     lines = [x for x in log.read_text().splitlines() if "RidgeFill not used" in x]
     assert len(lines) == 1 and " I slot " in lines[0] and why in lines[0]
+
+
+@pytest.fixture(scope="module")
+def hybrid_and_maps(tmp_path_factory):
+    """An 8-layer qwen35 (Gated DeltaNet 0-2 and 4-6, attention 3 and 7) whose states remember, and maps at
+    split 2."""
+    d = tmp_path_factory.mktemp("server-hybrid")
+    shape = dataclasses.replace(tiny_shape("qwen35"), n_layer=8)
+    model = long_memory_copy(write_random_model(d / "stock.gguf", shape, seed=5), d / "qwen35.gguf")
+    src = write_float_file(d / "maps.safetensors", 2, list(range(3, 8)), shape.n_embd, dtype="f32")
+    return model, convert(src, d / "maps.gguf", model=model).out, d
+
+
+def test_a_hybrid_restores_checkpoints_of_approximated_state_only_for_requests_that_may_reuse_them(
+        hybrid_and_maps):
+    # a hybrid cannot roll its recurrent state back, so reusing a cached prompt restores a context checkpoint;
+    # those written after a RidgeFill prefill hold the states the filled rows carried
+    require_builds("ridgefill")
+    model, maps, d = hybrid_and_maps
+    log = d / "checkpoints.log"
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("--metrics",), log_path=log) as srv:
+        fresh = srv.complete(PROMPT, n_predict=4, ridgefill=False, n_probs=5)
+        approx = srv.complete(PROMPT, n_predict=4, n_probs=5)
+        follow_up = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True)
+        stock = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True, ridgefill=False)
+        restored = metric(srv, "ridgefill_approx_checkpoints_total")
+    assert approx["timings"]["ridgefill"]["filled"] > 0
+    assert top_logprob_gap(approx, fresh) > 10 * STOCK_NOISE
+    # the RidgeFill follow-up restores the checkpoint of approximated state, and says so
+    assert follow_up["timings"]["cache_n"] > 0
+    assert follow_up["timings"]["ridgefill"]["approx_checkpoints"] == 1 and restored == 1
+    assert follow_up["completion_probabilities"] == approx["completion_probabilities"]
+    # the stock request restores none of them: it prefills the prompt again and gets the stock numbers
+    assert stock["timings"]["cache_n"] == 0
+    assert top_logprob_gap(stock, fresh) < STOCK_NOISE
+    assert "ridgefill" not in stock["timings"]

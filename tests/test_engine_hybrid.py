@@ -1,0 +1,155 @@
+"""The engine's RidgeFill prefill on a hybrid of attention and Gated DeltaNet layers (qwen35) climbs the correctness
+ladder on the CPU: off is byte-identical to upstream, plumb and oracle give stock's bytes (decode steps included),
+resident and streamed maps agree to the byte, and the filled arms, the exact rows, the probe and the value rescale
+match the NumPy specification of the hybrid arm (reference_hybrid_ridgefill), whose wrong variants (states carried
+in the wrong order, exact rows fed their prediction, the probe's states kept) miss by 1e-1 or more
+(test_reference_hybrid_ridgefill.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import require_builds
+from ridgefill_gguf import equivalence as eq
+from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
+from ridgefill_gguf.maps.convert import convert
+from ridgefill_gguf.maps.synthetic import write_float_file
+from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+from ridgefill_gguf.reference_hybrid import HybridReference
+from ridgefill_gguf.reference_hybrid_ridgefill import hybrid_probe_scores, hybrid_ridgefill_forward, stock_forward
+from test_engine_prefill import TIGHT, run_engine
+from test_reference_hybrid import long_memory_copy
+
+SPLIT, TAIL, N_LAYER = 2, 24, 8
+TOLERANCE = 2e-5  # max |engine - NumPy| / max |NumPy|; the stock forward itself agrees to about 8e-6
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """8 layers: DeltaNet 0-2, attention 3, DeltaNet 4-6, attention 7, with slow decay so the states remember;
+    split 2, so a DeltaNet layer sits at the split and both kinds are late; F32 maps for layers 3-7."""
+    d = tmp_path_factory.mktemp("engine-hybrid")
+    shape = dataclasses.replace(tiny_shape("qwen35"), n_layer=N_LAYER)
+    model = long_memory_copy(write_random_model(d / "stock.gguf", shape, seed=3), d / "long-memory.gguf")
+    src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), shape.n_embd,
+                           dtype="f32", seed=4)
+    maps = convert(src, d / "maps.gguf", model=model, outtype="f32").out
+    g = read_gguf(maps)
+    mats = {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias"))
+            for l in range(SPLIT + 1, N_LAYER)}
+    tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 5000, 100)]
+    return model, maps, mats, HybridReference(model), tokens
+
+
+def rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def base(chunk: int = 48, **kw) -> dict:
+    return {"fill": "ridge", "tail": TAIL, "chunk": chunk, "min_prefix": 0, "exact_rows": [], **kw}
+
+
+def test_ridgefill_off_with_maps_attached_is_byte_identical_to_upstream_on_a_hybrid(hybrid):
+    require_builds()
+    model, maps = hybrid[0], hybrid[1]
+    text = "A hybrid model carries a recurrent state beside its attention cache. " * 8
+    report = eq.check(model, [text, "short prompt"], n_ctx=512, decode_steps=3, maps=maps,
+                      cases=[eq.Case(64, 32, False), eq.Case(64, 27, True), eq.Case(512, 512, True)])
+    assert report["n_arrays"] == 18
+    assert report["identical"], [r for r in report["arrays"] if not r["identical"]]
+
+
+@pytest.mark.parametrize("chunk", [48, 7])
+def test_the_filled_arms_and_exact_rows_match_the_numpy_hybrid_arm_in_chunks_of_any_size(chunk, hybrid, tmp_path):
+    require_builds("ridgefill")
+    model, maps, mats, ref, tokens = hybrid
+    exact_rows = [5, 17, 40]
+    runs = [{"name": "ridge", "rows": TAIL, "params": base(chunk)},
+            {"name": "identity", "rows": TAIL, "params": {"fill": "identity"}},
+            {"name": "rows", "rows": TAIL, "params": {"fill": "ridge", "exact_rows": exact_rows}}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    want = {"ridge": hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats)[0],
+            "identity": hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "identity")[0],
+            "rows": hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, exact_rows=exact_rows)[0]}
+    for name, expected in want.items():
+        err = rel(arrays[name], expected)
+        print(f"chunk {chunk} {name}: rel {err:.2e}, {stats[name]['n_filled']} filled, {stats[name]['n_exact']} exact")
+        assert stats[name]["applied"] == 1 and err < TOLERANCE, (name, err)
+    assert stats["ridge"]["n_filled"] == len(tokens) - TAIL - 1  # position 0 runs exactly
+    assert stats["rows"]["n_exact"] == stats["ridge"]["n_exact"] + len(exact_rows)
+    assert rel(arrays["ridge"], arrays["identity"]) > 1e-2  # the maps act
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_plumb_and_oracle_give_stock_bytes_on_a_hybrid_and_decoding_continues_their_states(flash_attn, hybrid,
+                                                                                          tmp_path):
+    # the prompt's last token goes through llama_decode, reading every late layer's carried state
+    require_builds("ridgefill")
+    model, maps, _, ref, tokens = hybrid
+    runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": base(fill="plumb")},
+            {"name": "oracle", "params": base(fill="oracle")},
+            {"name": "stock_rows", "stock": True, "rows": TAIL},
+            {"name": "plumb_rows", "rows": TAIL, "params": base(fill="plumb")}]
+    session = {"flash_attn": flash_attn, "f32_cache": True}
+    arrays, stats = run_engine(model, maps, runs, session=session, tokens=tokens, tmp_path=tmp_path)
+    assert stats["plumb"]["applied"] == 1 and stats["oracle"]["applied"] == 1
+    assert arrays["plumb"].tobytes() == arrays["stock"].tobytes()
+    assert arrays["oracle"].tobytes() == arrays["stock"].tobytes()
+    assert arrays["plumb_rows"].tobytes() == arrays["stock_rows"].tobytes()
+    if not flash_attn:  # flash attention's F16 internals put llama.cpp itself 4e-4 from NumPy
+        assert rel(arrays["stock_rows"], stock_forward(ref, tokens)[0][-TAIL:]) < TOLERANCE
+
+
+def test_the_probe_on_a_hybrid_keeps_the_rows_numpy_ranks_highest_and_its_states_stay_apart(hybrid, tmp_path):
+    # if the probe's states leaked into the second sweep, the tail's logits would miss the NumPy arm run with
+    # the same exact rows
+    require_builds("ridgefill")
+    model, maps, mats, ref, tokens = hybrid
+    n_probe, count = 8, 10
+    runs = [{"name": "probe", "params": base(probe=[n_probe, count])},
+            {"name": "probe_rows", "rows": TAIL, "params": base(probe=[n_probe, count])}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    prefix = len(tokens) - TAIL
+    # the first run prefills all but the last token, which counts as tail: its probe rows end one row earlier
+    scores = hybrid_probe_scores(ref, tokens[:-1], SPLIT, TAIL - 1, n_probe, mats)
+    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    got = [r for r in stats["probe"]["exact_rows"] if r != 0]
+    print(f"engine {got}\nnumpy  {ranked}")
+    assert stats["probe"]["n_probe_exact"] == count and got == ranked
+    scores = hybrid_probe_scores(ref, tokens, SPLIT, TAIL, n_probe, mats)
+    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    expected = hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, exact_rows=ranked)[0]
+    err = rel(arrays["probe_rows"], expected)
+    print(f"probe's tail logits: rel {err:.2e}")
+    assert err < TOLERANCE
+
+
+def test_the_value_rescale_on_a_hybrid_matches_numpy(hybrid, tmp_path):
+    require_builds("ridgefill")
+    model, maps, mats, ref, tokens = hybrid
+    c = 16
+    runs = [{"name": "plain", "rows": TAIL, "params": base(rescale=[0, False, False])},
+            {"name": "values", "rows": TAIL, "params": base(rescale=[c, True, False])}]
+    arrays, _ = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    expected = hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, rescale_rows=c,
+                                        rescale_values=True)[0]
+    err = rel(arrays["values"], expected)
+    print(f"value rescale: rel {err:.2e}; it moves the logits by {rel(arrays['values'], arrays['plain']):.2e}")
+    assert err < TOLERANCE
+    assert rel(arrays["values"], arrays["plain"]) > 1e-4
+
+
+def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_hybrid(hybrid, tmp_path):
+    require_builds("ridgefill")
+    model, maps, _, _, tokens = hybrid
+    runs = [{"name": "ridge", "params": base()}, {"name": "probe", "params": base(probe=[8, 10])},
+            {"name": "rescale", "params": base(rescale=[16, True, False])}]
+    out = {}
+    for placement in ("resident", "streamed"):
+        arrays, _ = run_engine(model, maps, runs, session={"placement": placement}, tokens=tokens,
+                               tmp_path=tmp_path)
+        out[placement] = arrays
+    for run in runs:
+        assert out["resident"][run["name"]].tobytes() == out["streamed"][run["name"]].tobytes(), run["name"]
