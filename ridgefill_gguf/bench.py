@@ -28,7 +28,8 @@ from .util import hardware, save_figure, write_atomic
 
 
 # what the ceilings read of a model's shape, recorded with the results
-SHAPE_FIELDS = ("arch", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim")
+SHAPE_FIELDS = ("arch", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "full_attention_interval",
+                "ssm_d_conv", "ssm_d_state", "ssm_n_group", "ssm_dt_rank")
 
 
 # where the maps live; "resident:identity" and "resident:none" time the fill without its map and without any
@@ -52,36 +53,58 @@ def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
     return n * n_layer / ((n - t) * split + t * n_layer)
 
 
-def mac_counts(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
-               fill: str = "ridge") -> dict[str, float]:
-    """Multiply-accumulates of exact prefill ("stock") and of RidgeFill's three phases ("early", "fill", "exact").
-
-    RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split)
-    and their K/V projection (`fill` identity: no map; none: neither); exact rows (special, chosen, tail) pay the
-    whole layer. Causal attention: a row at position p reads p + 1 cells. The last `tail` exact rows are the
-    prompt's last rows, so they read nearly the whole context; the other exact rows are counted at the average
-    length."""
-    s = shape
+def layer_macs(s: ModelShape) -> dict[str, float]:
+    """Per row: a whole attention layer and its fill (the K/V projections), a whole Gated DeltaNet layer and its
+    fill (the in-projections, the conv and the state update, all of which a filled row still does); and per
+    attended cell, QK and PV. A DeltaNet layer's state update counts its recurrence, four multiply-accumulates per
+    state element per row (decay, read, delta write, output read)."""
     q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-    per_row = s.n_embd * (q + 2 * kv) + q * s.n_embd + 3 * s.n_embd * s.n_ff  # projections and FFN
-    per_cell = 2 * s.n_head * s.head_dim                                       # QK and PV
+    ffn = 3 * s.n_embd * s.n_ff
+    gate = q if s.arch == "qwen35" else 0  # qwen35's query projection carries an output gate beside each head
+    hk, nk, nv, hv = s.ssm_d_state, s.ssm_n_group, s.ssm_dt_rank, s.head_v_dim
+    conv = 2 * nk * hk + nv * hv
+    gdn_fill = s.n_embd * (conv + nv * hv + 2 * nv) + s.ssm_d_conv * conv + 4 * nv * hk * hv
+    return {"attention": s.n_embd * (q + gate + 2 * kv) + q * s.n_embd + ffn, "attention_fill": s.n_embd * 2 * kv,
+            "deltanet": gdn_fill + nv * hv * s.n_embd + ffn, "deltanet_fill": gdn_fill,
+            "cell": 2 * s.n_head * s.head_dim}
+
+
+def mac_counts(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
+               fill: str = "ridge", n_probe: int = 0) -> dict[str, float]:
+    """Multiply-accumulates of exact prefill ("stock") and of RidgeFill's phases ("early", "fill", "exact",
+    "probe").
+
+    RidgeFill: layers [0, S) for every row; in each late layer, filled rows pay their map (after the split) and
+    what the layer writes for them (an attention layer's K/V projections, a DeltaNet layer's in-projections, conv
+    and state update; `fill` identity: no map; none: neither); exact rows (special, chosen, tail) pay the whole
+    layer. Causal attention: a row at position p reads p + 1 cells. The last `tail` exact rows are the prompt's
+    last rows, so they read nearly the whole context; the other exact rows are counted at the average length.
+    The probe's n_probe rows run every late layer over the whole cache once more."""
+    m = layer_macs(shape)
+    recurrent = [shape.is_recurrent(il) for il in range(shape.n_layer)]
     causal_cells = n * (n + 1) / 2                                             # every row of the prompt
     t = min(tail, n_exact_rows, n)
     exact_row_cells = (t * n - t * (t - 1) / 2) + (n_exact_rows - t) * (n + 1) / 2
-    late = s.n_layer - split
-    maps = (late - 1) * s.n_embd * s.n_embd if fill == "ridge" else 0
-    kv_fill = late * s.n_embd * 2 * kv if fill != "none" else 0
-    return {"stock": s.n_layer * (n * per_row + per_cell * causal_cells),
-            "early": split * (n * per_row + per_cell * causal_cells),
-            "fill": n_filled * (maps + kv_fill),
-            "exact": late * (n_exact_rows * per_row + per_cell * exact_row_cells)}
+
+    def layers(il0: int, il1: int, rows: float, cells: float) -> float:
+        return sum(rows * m["deltanet"] if recurrent[il] else rows * m["attention"] + m["cell"] * cells
+                   for il in range(il0, il1))
+
+    late = range(split, shape.n_layer)
+    maps = (len(late) - 1) * shape.n_embd * shape.n_embd if fill == "ridge" else 0
+    writes = sum(m["deltanet_fill"] if recurrent[il] else m["attention_fill"] for il in late) if fill != "none" else 0
+    return {"stock": layers(0, shape.n_layer, n, causal_cells),
+            "early": layers(0, split, n, causal_cells),
+            "fill": n_filled * (maps + writes),
+            "exact": layers(split, shape.n_layer, n_exact_rows, exact_row_cells),
+            "probe": layers(split, shape.n_layer, n_probe, n_probe * n)}
 
 
 def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
-                fill: str = "ridge") -> float:
+                fill: str = "ridge", n_probe: int = 0) -> float:
     """Exact prefill's multiply-accumulates over RidgeFill's (mac_counts)."""
-    c = mac_counts(shape, n, split, n_filled, n_exact_rows, tail, fill)
-    return c["stock"] / (c["early"] + c["fill"] + c["exact"])
+    c = mac_counts(shape, n, split, n_filled, n_exact_rows, tail, fill, n_probe)
+    return c["stock"] / (c["early"] + c["fill"] + c["exact"] + c["probe"])
 
 
 class DeviceMemory:
@@ -257,7 +280,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                     log(f"bench: {placement} {n} tokens: speedup {speedup:.2f}x (ceiling {c_mac:.2f}x by MACs, "
                         f"{c_layer:.2f}x by layers)")
                     for sel in selectors:
-                        sel_rows.append(time_selector(srv, by_n[n], sel, repeats, rows[-1], placement, n, log))
+                        sel_rows.append(time_selector(srv, by_n[n], sel, repeats, rows[-1], placement, n, log, shape,
+                                                      split))
                     if exact_shares:
                         lines.append(time_exact_rows(srv, by_n[n], exact_shares, repeats, rows[-1], placement, n, log))
                     save(partial=True)
@@ -344,14 +368,18 @@ def ridgefill_requests(srv: Server, prompt: list[int], repeats: int, **request) 
 
 
 def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, base: dict, placement: str,
-                  n: int, log: Callable[[str], None]) -> dict:
+                  n: int, log: Callable[[str], None], shape: ModelShape, split: int) -> dict:
     """RidgeFill with one exact-row selector, against the same length's exact and plain RidgeFill medians."""
     ridgefill_requests(srv, prompt, 1, ridgefill_select=selector)  # warm-up: its buffers
     ms, stats = ridgefill_requests(srv, prompt, repeats, ridgefill_select=selector)
     st, med = stats[-1], statistics.median(ms)
     log(f"bench: {placement} {n} tokens, {selector}: {med:.0f} ms, {st['selected']} rows selected")
+    c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
+                        n_probe=st.get("probe_rows", 0))
     return {"placement": placement, "tokens": n, "selector": selector, "ms": ms, "median_ms": med,
             "speedup_vs_exact": base["median_exact_ms"] / med, "vs_plain": base["median_ridgefill_ms"] / med,
+            "ceiling_macs": c_mac, "share_of_ceiling": base["median_exact_ms"] / med / c_mac,
+            "probe_rows": st.get("probe_rows", 0),
             "selected": st["selected"], "budget": st.get("budget", 0), "lexical": st.get("lexical", 0),
             "prefix": st["filled"] + st["exact"],
             "phases_ms": {k: statistics.median(s[k] for s in stats)
@@ -408,9 +436,10 @@ def markdown(r: dict) -> str:
              f"{r['date']}; {hw.get('gpu') or hw['cpu']}; {hw['cores']} cores; medians of {r['repeats']} "
              "requests per arm, alternating on one server started once per placement, after one warm-up pair"
              + (f"; environment {', '.join(f'{k}={v}' for k, v in env.items())}" if env else ""), "",
-             "Ceilings: 1/r counts layers (paper §2.5); the MAC ceiling counts multiply-accumulates: the maps, the "
-             "filled rows' K/V projections, and for exact rows the whole layer with causal attention (the tail reads "
-             "its own prefix, nearly the whole context).", ""]
+             "Ceilings: 1/r counts layers (paper §2.5); the MAC ceiling counts multiply-accumulates: the maps, what "
+             "filled rows still do (an attention layer's K/V projections; a Gated DeltaNet layer's in-projections, "
+             "conv and state update), the probe's rows, and for exact rows the whole layer with causal attention "
+             "(the tail reads its own prefix, nearly the whole context).", ""]
     lines += markdown_table(None, ["placement", "tokens", "exact (ms)", "RidgeFill (ms)", "speedup", "ceiling (MACs)",
                            "ceiling (1/r)", "share of MAC ceiling", "filled / exact / tail rows",
                            "sweep one / fill / exact (ms)"],
@@ -430,11 +459,14 @@ def markdown(r: dict) -> str:
     if r.get("selectors"):
         lines += markdown_table("Exact-row selectors (medians, ms; per request, on the same server):",
                         ["placement", "tokens", "selector", "RidgeFill + selector", "vs exact", "vs plain RidgeFill",
-                         "rows selected (of the prefix)", "budget E / lexical", "probe (ms)"],
+                         "rows selected (of the prefix)", "budget E / lexical", "probe (ms)", "ceiling (MACs)",
+                         "share of MAC ceiling"],
                         [[x["placement"], x["tokens"], x["selector"], f"{x['median_ms']:.0f}",
                           f"{x['speedup_vs_exact']:.2f}x", f"{x['vs_plain']:.2f}x",
                           f"{x['selected']} ({100 * x['selected'] / max(x['prefix'], 1):.0f}%)",
-                          f"{x['budget']} / {x['lexical']}", f"{x['phases_ms']['probe_ms']:.0f}"]
+                          f"{x['budget']} / {x['lexical']}", f"{x['phases_ms']['probe_ms']:.0f}",
+                          f"{x['ceiling_macs']:.2f}x" if "ceiling_macs" in x else "",
+                          f"{100 * x['share_of_ceiling']:.0f}%" if "share_of_ceiling" in x else ""]
                          for x in r["selectors"]])
     if r.get("exact_rows_line"):
         lines += markdown_table("Exact prefix rows and time (paper Appendix H: tau(E) = tau0 + E sigma; kappa = sigma over a "

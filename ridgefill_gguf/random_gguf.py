@@ -72,17 +72,23 @@ class ModelShape:
 
     @classmethod
     def from_gguf(cls, model: str | Path | GGUFFile) -> "ModelShape":
-        """The attention/MLP shape of a model GGUF, or of its parsed header (recurrent settings keep defaults)."""
+        """The shape of a model GGUF, or of its parsed header (qwen35's recurrent settings too)."""
         g = model if isinstance(model, GGUFFile) else read_gguf(model, skip_arrays=("tokenizer.",))
         arch = g.get("general.architecture")
         get = lambda k, d=None: g.get(f"{arch}.{k}", d)  # noqa: E731
         n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
         n_rot = get("rope.dimension_count")
+        recurrent = {}
+        if arch == "qwen35":
+            recurrent = dict(full_attention_interval=int(get("full_attention_interval", 4)),
+                             rope_sections=tuple(int(x) for x in get("rope.dimension_sections", (11, 11, 10, 0))),
+                             ssm_d_conv=int(get("ssm.conv_kernel")), ssm_d_state=int(get("ssm.state_size")),
+                             ssm_n_group=int(get("ssm.group_count")), ssm_dt_rank=int(get("ssm.time_step_rank")))
         return cls(arch, int(get("block_count")), n_embd, int(get("feed_forward_length")), n_head,
                    int(get("attention.head_count_kv", n_head)), int(get("attention.key_length", n_embd // n_head)),
                    n_ctx_train=int(get("context_length", 4096)), rope_theta=float(get("rope.freq_base", 10000.0)),
                    rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-                   n_rot=None if n_rot is None else int(n_rot))
+                   n_rot=None if n_rot is None else int(n_rot), **recurrent)
 
     @property
     def rot_dims(self) -> int:
@@ -145,6 +151,13 @@ REAL_SHAPES = {
                            n_ctx_train=40960, rope_theta=1000000.0, rms_eps=1e-6, n_vocab=151936),
     "llama-3.1-8b": ModelShape("llama", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, head_dim=128,
                                n_ctx_train=131072, rope_theta=500000.0, rms_eps=1e-5, n_vocab=128256),
+    # a 27B hybrid as the paper's deployment describes it (64 layers, d 5120, every fourth layer attention), its
+    # other sizes those of Qwen3.5-27B as we recorded them: 24 query and 4 KV heads of 256 with a quarter of each
+    # rotated, a 17,408-wide MLP, DeltaNet layers of 16 key and 48 value heads of 128 and a 4-wide conv
+    "qwen35-27b": ModelShape("qwen35", n_layer=64, n_embd=5120, n_ff=17408, n_head=24, n_head_kv=4, head_dim=256,
+                             n_ctx_train=262144, rope_theta=10000000.0, rms_eps=1e-6, n_rot=64,
+                             full_attention_interval=4, rope_sections=(11, 11, 10, 0), ssm_d_conv=4,
+                             ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48, n_vocab=248320),
 }
 
 
@@ -357,8 +370,10 @@ def _add_hparams(w: gguf.GGUFWriter, s: ModelShape, n_vocab: int, ftype: gguf.Ll
 
 
 def write_random_model(path: str | Path, shape: ModelShape, *, vocab: str | Path | None = None,
-                       dtype: str = "f32", seed: int = 0) -> Path:
-    """Write a random-weight GGUF of `shape` with the tokenizer of `vocab`; same seed, same bytes."""
+                       dtype: str = "f32", seed: int = 0, same_layers: bool = False) -> Path:
+    """Write a random-weight GGUF of `shape` with the tokenizer of `vocab`; same seed, same bytes.
+    same_layers: every layer holds the first layer of its kind's weights (drawn and quantized once), which writes a
+    27B-sized model in about the time of its disk writes; for timings, which do not depend on the values."""
     shape.validate()
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
@@ -383,10 +398,17 @@ def write_random_model(path: str | Path, shape: ModelShape, *, vocab: str | Path
         # the data section is written here rather than by write_tensor_data so that one
         # tensor (a 248k x 5k embedding, say) never has to be in memory whole
         fout = w.fout[0]
+        drawn: dict[tuple, list[np.ndarray]] = {}
         for spec, qt in zip(specs, types):
             w.write_padding(fout, fout.tell())
-            for chunk in _chunks(spec, shape, seed):
-                _encode(chunk, qt).tofile(fout)
+            key = (spec.name.split(".", 2)[-1], spec.shape, qt) if same_layers and spec.name.startswith("blk.") else None
+            encoded = drawn.get(key) if key else None
+            if encoded is None:
+                encoded = [_encode(chunk, qt) for chunk in _chunks(spec, shape, seed)] if key else None
+                if key:
+                    drawn[key] = encoded
+            for chunk in encoded if encoded is not None else (_encode(c, qt) for c in _chunks(spec, shape, seed)):
+                chunk.tofile(fout)
         w.close()
         os.replace(tmp, path)
     except BaseException:
@@ -407,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, help="number of layers (default: the tiny preset's)")
     p.add_argument("--embd", type=int, help="embedding width (default: the tiny preset's)")
     p.add_argument("--vocab", type=Path, help="vocab GGUF to copy the tokenizer from")
+    p.add_argument("--same-layers", action="store_true",
+                   help="every layer of a kind holds the same random weights (fast; for timings)")
     a = p.parse_args(argv)
     if bool(a.arch) == bool(a.preset):
         p.error("give exactly one of --arch and --preset")
@@ -418,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         # keep qwen2's n_head * head_dim == n_embd by moving the head size along
         extra = {"head_dim": a.embd // shape.n_head} if shape.arch == "qwen2" else {}
         shape = dataclasses.replace(shape, n_embd=a.embd, **extra)
-    out = write_random_model(a.output, shape, vocab=a.vocab, dtype=a.dtype, seed=a.seed)
+    out = write_random_model(a.output, shape, vocab=a.vocab, dtype=a.dtype, seed=a.seed, same_layers=a.same_layers)
     n_params = sum(math.prod(t.shape) for t in tensor_specs(shape, model_tokenizer(shape, a.vocab)[1]))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {n_params / 1e6:.1f}M params): "
           f"{shape.arch} n_layer={shape.n_layer} n_embd={shape.n_embd} n_ff={shape.n_ff} "

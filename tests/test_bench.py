@@ -213,3 +213,26 @@ def test_the_stock_after_ridgefill_diagnostic_times_each_phase_with_the_gpus_clo
     assert all(r["clocks.sm"] == 1980 and r["power.draw"] == 350.5 for r in v["requests"])
     md = next((tmp_path / "out").glob("*.md")).read_text()
     assert "| no-cuda-graphs | after-idle | stock | 600 |" in md
+
+
+def test_the_hybrid_mac_ceiling_charges_what_a_filled_row_still_does_in_a_deltanet_layer():
+    from ridgefill_gguf.bench import layer_macs
+    from ridgefill_gguf.random_gguf import REAL_SHAPES
+
+    s = REAL_SHAPES["qwen35-27b"]
+    m = layer_macs(s)
+    # in-projections from d 5120 (q, k and v 2*16*128 + 48*128 = 10,240; z 6,144; beta and alpha 2*48), the
+    # 4-wide conv over the 10,240 channels, and the recurrence over 48 states of 128 x 128
+    assert m["deltanet_fill"] == 5120 * (10240 + 6144 + 96) + 4 * 10240 + 4 * 48 * 128 * 128
+    assert m["deltanet"] == m["deltanet_fill"] + 6144 * 5120 + 3 * 5120 * 17408
+    # the gated query doubles qwen35's query projection
+    assert m["attention"] == 5120 * (2 * 24 * 256 + 2 * 4 * 256) + 24 * 256 * 5120 + 3 * 5120 * 17408
+    n, split, tail = 32768, 16, 4096
+    plain = mac_ceiling(s, n, split, n - tail - 1, tail + 1, tail=tail)
+    probe = mac_ceiling(s, n, split, n - tail - 1, tail + 1, tail=tail, n_probe=256)
+    print(f"27B hybrid at 32K, split 16, tail 4096: MAC ceiling {plain:.3f}x plain, {probe:.3f}x with a 256-row "
+          f"probe; 1/r {layer_ceiling(n, split, tail, 64):.3f}x")
+    assert 1.0 < probe < plain < layer_ceiling(n, split, tail, 64)
+    # the same sizes with every layer attention, whose filled rows write only K/V: a higher ceiling
+    skipped = dataclasses.replace(s, full_attention_interval=1)  # every layer attention
+    assert mac_ceiling(skipped, n, split, n - tail - 1, tail + 1, tail=tail) > plain

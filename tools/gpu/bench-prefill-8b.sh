@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine after tools/gpu/prepare-8b.sh: time to first token, exact against RidgeFill, for the
-# Qwen3-8B-shaped random model, split 13, tail 4096, resident and streamed (issue 5). Results in $OUT/bench.
+# random model PRESET makes (default Qwen3-8B-shaped, split 13), tail TAIL (4096), resident and streamed (issue 5).
+# Results in $OUT/bench.
 #   TOKENS=16384,32768,65536 [PLACEMENTS=resident,streamed] [UBATCH=512] [VS_UPSTREAM=1] [LABEL=...] \
 #       [SELECT=probe,random] [EXACT_SHARES=0.1,0.2,0.3] bash tools/gpu/bench-prefill-8b.sh
 # SELECT and EXACT_SHARES: issue 8's cost (the selectors beside plain RidgeFill; the line tau(E) and kappa).
@@ -16,7 +17,9 @@ from ridgefill_gguf.bench import run_bench
 import os
 lengths = [int(x) for x in os.environ.get("TOKENS", "16384,32768,65536").split(",")]
 ub = os.environ.get("UBATCH")
-r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=4096,
+preset = os.environ.get("PRESET", "qwen3-8b")
+arch = "llama" if preset.startswith("llama") else "qwen35" if preset.startswith("qwen35") else "qwen3"
+r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=int(os.environ.get("TAIL", "4096")),
               placements=tuple(os.environ.get("PLACEMENTS", "resident,streamed").split(",")),
               repeats=int(os.environ.get("REPEATS", "3")), n_gpu_layers=99, out_dir=sys.argv[3],
               label=os.environ.get("LABEL", f"{os.environ.get('PRESET', 'qwen3-8b')}-{os.environ.get('DTYPE', 'q8_0')}-shape-h200"), vs_upstream=os.environ.get("VS_UPSTREAM") == "1",
@@ -24,7 +27,6 @@ r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=4096,
               exact_shares=tuple(float(x) for x in os.environ.get("EXACT_SHARES", "").split(",") if x),
               # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it, and 128K prompts need
               # room for the generated token above 131,072
-              extra=("--override-kv", f"{'llama' if os.environ.get('PRESET', '').startswith('llama') else 'qwen3'}"
-                     ".context_length=int:262144") + (("-b", ub, "-ub", ub) if ub else ()))
+              extra=("--override-kv", f"{arch}.context_length=int:262144") + (("-b", ub, "-ub", ub) if ub else ()))
 print(open(r["files"][1]).read())
 PY
