@@ -30,7 +30,7 @@ def test_cuda_builds_give_byte_identical_logits_with_all_layers_on_the_gpu(arch,
     assert report["n_logits"] > 0 and not bad, f"{arch}/{dtype}: arrays differ: {bad}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen35"])
 def test_cuda_builds_stay_byte_identical_with_maps_attached_and_ridgefill_off(arch, tmp_path):
     require_cuda_builds()
     shape = dataclasses.replace(tiny_shape(arch), n_layer=4)

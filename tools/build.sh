@@ -24,6 +24,11 @@ args=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON
       -DGGML_BACKEND_DL=OFF)
 if [ "$cuda" = 1 ]; then
     args+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}")
+elif grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    # -march=native turns on llama.cpp's AMX kernels where the CPU reports AMX, and they fault (SIGILL/SIGSEGV)
+    # under kernels that do not grant the tile state, as on sandboxed machines; explicit -mno-* outrank -march
+    amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    args+=("-DCMAKE_C_FLAGS=$amx" "-DCMAKE_CXX_FLAGS=$amx")
 fi
 if command -v ccache >/dev/null 2>&1; then
     args+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
