@@ -210,9 +210,14 @@ def _layer_range(text: str) -> tuple[int, int]:
 @click.option("--n-gpu-layers", "-ngl", default=0, show_default=True)
 @click.option("--sums", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="running sums checkpoint (default: OUTPUT's stem + .sums.npz); an existing one is resumed")
+@click.option("--state-correction", is_flag=True,
+              help="hybrids: measure the terminal-state correction's offsets on the held-out text (NumPy; small "
+                   "models) and store them with the maps")
+@click.option("--state-every", default=2048, show_default=True, help="rows between the states the offsets average")
 @click.option("--force", is_flag=True, help="overwrite existing maps")
 def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc_tokens, max_rows, layer_range,
-        heldout_rows, outtype, tail_default, threads, n_gpu_layers, sums, force) -> None:
+        heldout_rows, outtype, tail_default, threads, n_gpu_layers, sums, state_correction, state_every,
+        force) -> None:
     """Fit RidgeFill maps for MODEL: capture through llama.cpp, ridge solves, lambda chosen on held-out text."""
     from .fit.run import FitError, FitOptions, fit as run_fit
     from .fit.solve import DEFAULT_LAMBDAS
@@ -226,7 +231,8 @@ def fit(model: Path, calib, heldout, splits, out: Path, lambdas, stride, max_doc
     opts = FitOptions(splits=sorted(set(splits)), lambdas=_floats(lambdas) if lambdas else DEFAULT_LAMBDAS,
                       stride=stride, max_doc_tokens=max_doc_tokens, max_rows=max_rows, heldout_rows=heldout_rows,
                       n_threads=threads, n_gpu_layers=n_gpu_layers, outtype=outtype, tail_default=tail_default,
-                      layer_range=_layer_range(layer_range) if layer_range else None)
+                      layer_range=_layer_range(layer_range) if layer_range else None,
+                      state_correction=state_correction, state_every=state_every)
     try:
         report = run_fit(model, list(calib), list(heldout), out, opts, sums_path=sums, force=force,
                          log=lambda m: click.echo(m, err=True))

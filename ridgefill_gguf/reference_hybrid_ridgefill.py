@@ -17,7 +17,10 @@ the probe rows from an empty conv and recurrent state and write nothing back. A 
 the probe rows pay it, summed over the late attention layers, heads and probe rows. Each late layer runs the
 prefix, then the probe, then the tail; only the probe reads the filled K/V of the exact rows. The probe refuses the rescale (the
 engine's probe reads the unscaled fill), and the rescale acts on layers after S only, as in reference.py.
-Everything is float64; with fill="oracle", or every prefix row exact, the arm is the stock forward.
+The terminal-state correction (state_deltas) adds rho x the layer's offset to a late DeltaNet layer's state at the
+prefix's end, rho being per value head the filled rows' share of the state (a row's weight: the product of the gates
+after it within the prefix). Everything is float64; with fill="oracle", or every prefix row exact, the arm is the
+stock forward.
 """
 from __future__ import annotations
 
@@ -56,13 +59,15 @@ class HybridRidgeFill:
     seams the tests' wrong variants override."""
 
     def __init__(self, ref: HybridReference, split: int, tail: int, fill: str = "ridge", maps: Maps | None = None,
-                 rescale_rows: int = 0, rescale_values: bool = False):
+                 rescale_rows: int = 0, rescale_values: bool = False,
+                 state_deltas: dict[int, np.ndarray] | None = None):
         if fill not in FILLS:
             raise ValueError(f"fill must be one of {FILLS}, not {fill!r}")
         if fill == "ridge" and any(layer not in (maps or {}) for layer in range(split + 1, ref.hp.n_layer)):
             raise ValueError(f"fill=ridge needs maps for layers {split + 1}..{ref.hp.n_layer - 1}")
         self.ref, self.split, self.tail, self.fill, self.maps = ref, split, tail, fill, maps
         self.rescale = rescale_rows if rescale_values and fill != "oracle" else 0
+        self.state_deltas = state_deltas or {}  # the terminal-state correction's offsets, by late DeltaNet layer
 
     # -- the seams --------------------------------------------------------------------------------
 
@@ -124,8 +129,19 @@ class HybridRidgeFill:
                          info: dict) -> np.ndarray:
         """The carry over the prefix rows, left in the cache: the outputs of the exact prefix rows."""
         out, cache.conv[layer], cache.state[layer] = self.carry(layer, h[:p], np.flatnonzero(exact[:p]), None, None)
+        if layer in self.state_deltas and self.fill != "oracle" and not exact[:p].all():
+            rho = info["rho"][layer] = self.filled_share(self.ref.gdn_projections(layer, h[:p])[3], ~exact[:p])
+            cache.state[layer] = cache.state[layer] + rho[:, None, None] * self.state_deltas[layer]
         info["prefix_states"][layer] = (cache.conv[layer], cache.state[layer])
         return out
+
+    @staticmethod
+    def filled_share(log_decay: np.ndarray, filled: np.ndarray) -> np.ndarray:
+        """rho per value head: the filled rows' share of the state at the prefix's end, a row's weight being the
+        product of the gates after it (log_decay [p, n_v_heads])."""
+        after = np.concatenate([np.cumsum(log_decay[::-1], axis=0)[::-1][1:], np.zeros((1, log_decay.shape[1]))])
+        w = np.exp(after)
+        return w[filled].sum(axis=0) / w.sum(axis=0)
 
     def _deltanet_tail(self, layer: int, h: np.ndarray, p: int, cache: HybridCache) -> np.ndarray:
         """The tail rows continuing the cache's carried states (updated): their outputs."""
@@ -194,7 +210,8 @@ class HybridRidgeFill:
         cache.n_past = n
         x_split, rows, probe = x, np.flatnonzero(exact), np.arange(n - n_probe, n)
         xq, score = x_split[probe], np.zeros(p)
-        info = {"cache": cache, "exact": exact, "inputs": {}, "prefix_states": {}, "fill_v": {}, "value_factors": {}}
+        info = {"cache": cache, "exact": exact, "inputs": {}, "prefix_states": {}, "fill_v": {}, "value_factors": {},
+                "rho": {}}
         for layer in range(self.split, ref.hp.n_layer):  # each: the prefix, the probe, then the tail
             inp = info["inputs"][layer] = self.layer_input(layer, x, x_split, ~exact, truth)
             h = ref.rms(inp, ref.w(f"blk.{layer}.attn_norm.weight"))
@@ -216,9 +233,12 @@ class HybridRidgeFill:
 
 def hybrid_ridgefill_forward(ref: HybridReference, tokens: list[int], split: int, tail: int, fill: str = "ridge",
                              maps: Maps | None = None, exact_rows=(), rescale_rows: int = 0,
-                             rescale_values: bool = False) -> tuple[np.ndarray, dict]:
-    """The hybrid RidgeFill arm: (logits of the tail rows [T, n_vocab] float64, info as HybridRidgeFill.forward)."""
-    arm = HybridRidgeFill(ref, split, tail, fill, maps, rescale_rows, rescale_values)
+                             rescale_values: bool = False,
+                             state_deltas: dict[int, np.ndarray] | None = None) -> tuple[np.ndarray, dict]:
+    """The hybrid RidgeFill arm: (logits of the tail rows [T, n_vocab] float64, info as HybridRidgeFill.forward).
+    state_deltas: the terminal-state correction, rho x the offset added to each listed late DeltaNet layer's state
+    at the prefix's end."""
+    arm = HybridRidgeFill(ref, split, tail, fill, maps, rescale_rows, rescale_values, state_deltas)
     return arm.forward(tokens, exact_rows)
 
 

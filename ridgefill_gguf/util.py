@@ -22,6 +22,22 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
+def write_atomic_with(path: Path, write) -> Path:
+    """Have write(tmp) write a file beside path, then put it in place: readers see the old file or the new."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def save_figure(fig, path: Path, dpi: int = 120) -> None:
     """Save a matplotlib figure atomically (a PNG beside its temporary name until done) and close it."""
     import matplotlib.pyplot as plt  # noqa: PLC0415 - plotting is optional

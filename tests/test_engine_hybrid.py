@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import require_builds
+from conftest import require_builds, run_py
 from ridgefill_gguf import equivalence as eq
 from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
 from ridgefill_gguf.maps.convert import convert
@@ -153,3 +153,71 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_hybrid(hybri
         out[placement] = arrays
     for run in runs:
         assert out["resident"][run["name"]].tobytes() == out["streamed"][run["name"]].tobytes(), run["name"]
+
+
+@pytest.fixture(scope="module")
+def corrected(hybrid, tmp_path_factory):
+    """The hybrid's maps with random terminal-state offsets for the late DeltaNet layers 4-6 (not the split's)."""
+    from ridgefill_gguf.maps.state_delta import write_state_deltas
+
+    model, maps, _, ref, _ = hybrid
+    hp, rng = ref.hp, np.random.default_rng(9)
+    deltas = {il: rng.normal(0, 0.5, (hp.n_v_heads, hp.head_v_dim, hp.head_k_dim)).astype(np.float32)
+              for il in (4, 5, 6)}
+    return write_state_deltas(maps, deltas, tmp_path_factory.mktemp("corrected") / "maps.gguf"), deltas
+
+
+def test_the_terminal_state_correction_matches_numpy_and_is_off_by_default(hybrid, corrected, tmp_path):
+    require_builds("ridgefill")
+    model, maps, mats, ref, tokens = hybrid
+    with_deltas, deltas = corrected
+    runs = [{"name": "off", "rows": TAIL, "params": base()},
+            {"name": "on", "rows": TAIL, "params": base(state_correction=True)},
+            {"name": "rows", "rows": TAIL, "params": base(state_correction=True, exact_rows=[5, 17, 40])}]
+    arrays, stats = run_engine(model, with_deltas, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    plain, _ = run_engine(model, maps, runs[:1], session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    assert arrays["off"].tobytes() == plain["off"].tobytes()  # offsets in the file change nothing while off
+    assert stats["off"]["n_state_corrected"] == 0 and stats["on"]["n_state_corrected"] == 3
+    for name, rows in (("on", ()), ("rows", (5, 17, 40))):
+        want, info = hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, exact_rows=rows,
+                                              state_deltas={il: d.astype(np.float64) for il, d in deltas.items()})
+        err = rel(arrays[name], want)
+        print(f"{name}: rel {err:.2e} against NumPy, rho {info['rho'][4].round(3)}; "
+              f"the correction moves the logits by {rel(arrays[name], arrays['off']):.2e}")
+        assert err < TOLERANCE
+    assert rel(arrays["on"], arrays["off"]) > 1e-3
+
+
+def test_the_filled_share_is_the_weight_of_the_filled_rows_under_the_gates_after_them():
+    from ridgefill_gguf.reference_hybrid_ridgefill import HybridRidgeFill
+
+    rng = np.random.default_rng(0)
+    ld = -rng.uniform(0.0, 0.3, (12, 3))  # log gates of 12 rows, 3 value heads
+    filled = np.array([False, True, True, False, True, True, True, False, True, False, False, False])
+    w = np.array([[np.exp(ld[j + 1:, h].sum()) for h in range(3)] for j in range(12)])
+    np.testing.assert_allclose(HybridRidgeFill.filled_share(ld, filled), w[filled].sum(0) / w.sum(0), rtol=1e-12)
+    assert (w[-1] == 1).all()  # the last prefix row's weight
+
+
+def test_a_state_offset_for_an_attention_layer_is_refused_by_name(hybrid, tmp_path):
+    from ridgefill_gguf.maps.format import check_maps, model_fingerprint
+    from ridgefill_gguf.maps.state_delta import write_state_deltas
+
+    model, maps, _, ref, _ = hybrid
+    hp = ref.hp
+    bad = write_state_deltas(maps, {3: np.zeros((hp.n_v_heads, hp.head_v_dim, hp.head_k_dim), np.float32)},
+                             tmp_path / "bad.gguf")
+    errors = check_maps(read_gguf(bad), model_fingerprint(model)).errors
+    assert errors == ["tensor blk.3.rf_state_delta is for layer 3, which is not a recurrent layer at or after the split"]
+    require_builds("ridgefill")
+    out = run_py(f"""
+from ridgefill_gguf import libs
+from ridgefill_gguf.engine import bindings
+llama_cpp = libs.use_build("ridgefill")
+llm = llama_cpp.Llama(model_path={str(model)!r}, n_ctx=64, verbose=False)
+try:
+    bindings.load_maps(llm.model, {str(bad)!r})
+except bindings.MapsRefused as e:
+    print("REFUSED", e)
+""").stdout
+    assert "REFUSED" in out and "blk.3.rf_state_delta is for layer 3, which is not a recurrent layer" in out

@@ -263,3 +263,63 @@ for name, group in (("all", None), ("g2", (2, 2)), ("g3", (3, 3))):
                                        "-o", str(tmp_path / "twice.gguf")])
     assert result.exit_code != 0 and "layer 2 is in both" in result.output
     assert not (tmp_path / "twice.gguf").exists()
+
+
+def test_fit_on_a_hybrid_writes_maps_for_every_late_layer_that_verify_and_the_engine_runs(texts, tmp_path):
+    # qwen35: Gated DeltaNet layers 0-2 and 4-6, attention 3 and 7; split 2 maps both kinds
+    import dataclasses
+
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    require_builds("ridgefill")
+    calib, held = texts
+    model = write_random_model(tmp_path / "qwen35.gguf", dataclasses.replace(tiny_shape("qwen35"), n_layer=8), seed=2)
+    out = tmp_path / "maps.gguf"
+    code = f"""
+from pathlib import Path
+from ridgefill_gguf.fit.run import FitOptions, fit
+fit(Path({str(model)!r}), [Path({str(calib)!r})], [Path({str(held)!r})], Path({str(out)!r}),
+    FitOptions(splits=[2], lambdas=(1e-3, 1e-1), max_doc_tokens=512, heldout_rows=200, n_threads=2), log=print)
+"""
+    run_py(code, "ridgefill")
+    result = CliRunner().invoke(main, ["verify", str(out), str(model)])
+    assert result.exit_code == 0, result.output
+    split = json.loads(out.with_name("maps.fit.json").read_text())["splits"]["2"]
+    assert split["layers"] == 5
+    scores = {s["layer"]: s for s in split["fitted"]}
+    # attention layers are scored by their K/V, the DeltaNet layers by their input
+    assert scores[3]["k_cos"] is not None and scores[4]["k_cos"] is None
+    code = f"""
+from ridgefill_gguf import libs
+from ridgefill_gguf.engine.session import Session
+libs.use_build("ridgefill")
+s = Session({str(model)!r}, n_ctx=512, n_batch=64, n_ubatch=32, n_threads=2, maps={str(out)!r})
+tokens = s.tokenize("{TEXT[:400]}")
+_, _, st = s.ridgefill(tokens, tail=24, min_prefix=0)
+print("APPLIED", st["applied"], st["n_filled"])
+"""
+    assert "APPLIED 1" in run_py(code, "ridgefill").stdout
+
+
+def test_fit_measures_the_terminal_state_offsets_that_bring_a_filled_state_back_to_the_exact_one(texts, tmp_path):
+    import dataclasses
+
+    from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
+    from ridgefill_gguf.maps.format import check_maps, model_fingerprint
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    require_builds("ridgefill")
+    calib, held = texts
+    model = write_random_model(tmp_path / "qwen35.gguf", dataclasses.replace(tiny_shape("qwen35"), n_layer=8), seed=2)
+    out = tmp_path / "maps.gguf"
+    result = CliRunner().invoke(main, [*_fit_args(model, calib, held, out, "--split", "2", "--lambdas", "1e-3"),
+                                       "--state-correction", "--state-every", "64", "--max-doc-tokens", "512",
+                                       "--heldout-rows", "200", "--threads", "2"])
+    assert result.exit_code == 0, result.output
+    g = read_gguf(out)
+    assert not check_maps(g, model_fingerprint(model)).errors
+    report = json.loads(out.with_name("maps.fit.json").read_text())["splits"]["2"]["state_deltas"]
+    assert report["layers"] == [2, 4, 5, 6] and report["documents"] == 1
+    # at the split a filled row's input is x_S itself, the true input: nothing to correct
+    assert not tensor_f32(g, "blk.2.rf_state_delta").any()
+    assert all(np.abs(tensor_f32(g, f"blk.{il}.rf_state_delta")).max() > 0 for il in (4, 5, 6))

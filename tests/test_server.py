@@ -487,3 +487,31 @@ def test_a_hybrid_restores_checkpoints_of_approximated_state_only_for_requests_t
     assert stock["timings"]["cache_n"] == 0
     assert top_logprob_gap(stock, fresh) < STOCK_NOISE
     assert "ridgefill" not in stock["timings"]
+
+
+def test_the_terminal_state_correction_is_set_per_server_and_per_request_and_counted(hybrid_and_maps):
+    import numpy as np
+
+    from ridgefill_gguf.maps.state_delta import write_state_deltas
+
+    require_builds("ridgefill")
+    model, maps, d = hybrid_and_maps
+    shape = dataclasses.replace(tiny_shape("qwen35"), n_layer=8)
+    state = (shape.ssm_dt_rank, shape.head_v_dim, shape.ssm_d_state)
+    corrected = write_state_deltas(maps, {il: np.full(state, 0.01, np.float32) for il in (4, 5, 6)},
+                                   d / "corrected.gguf")
+    with Server(model, corrected, tail=64, min_prefix=0, threads=2, log_path=d / "state-off.log") as srv:
+        default = srv.complete(PROMPT, n_predict=1)
+        asked = srv.complete(PROMPT, n_predict=1, ridgefill_state_correction=True)
+        with pytest.raises(ServerError, match="ridgefill_state_correction must be true or false"):
+            srv.complete(PROMPT, n_predict=1, ridgefill_state_correction="yes")
+    env = {"LLAMA_ARG_RIDGEFILL_STATE_CORRECTION": "on"}
+    with Server(model, corrected, tail=64, min_prefix=0, threads=2, env=env, log_path=d / "state-on.log") as srv:
+        on = srv.complete(PROMPT, n_predict=1)
+        declined = srv.complete(PROMPT, n_predict=1, ridgefill_state_correction=False)
+        props = srv.get("/props")["ridgefill"]
+    assert default["timings"]["ridgefill"]["state_corrected"] == 0
+    assert asked["timings"]["ridgefill"]["state_corrected"] == 3  # layers 4-6; the split's layer 2 has no offset
+    assert on["timings"]["ridgefill"]["state_corrected"] == 3
+    assert declined["timings"]["ridgefill"]["state_corrected"] == 0
+    assert props["state_correction"] is True

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 8
+API_VERSION = 9
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -80,7 +80,8 @@ class Stats(ctypes.Structure):
                 ("n_budget", ctypes.c_int32), ("n_budget_protected", ctypes.c_int32),
                 ("n_budget_digits", ctypes.c_int32), ("n_budget_attention", ctypes.c_int32),
                 ("n_lexical", ctypes.c_int32), ("n_protected", ctypes.c_int32), ("n_random", ctypes.c_int32),
-                ("device_mask", ctypes.c_int32), ("n_whole_numbers", ctypes.c_int32)]
+                ("device_mask", ctypes.c_int32), ("n_whole_numbers", ctypes.c_int32),
+                ("n_state_corrected", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -99,7 +100,7 @@ class Params(ctypes.Structure):
                 ("probe_rows", ctypes.c_int32), ("probe_budget", ctypes.c_float), ("probe_share", ctypes.c_float),
                 ("attention_share", ctypes.c_float), ("protected_share", ctypes.c_float),
                 ("whole_numbers", ctypes.c_bool), ("rescale_rows", ctypes.c_int32), ("rescale_values", ctypes.c_bool),
-                ("rescale_keys", ctypes.c_bool), ("logits_rows", ctypes.c_int32)]
+                ("rescale_keys", ctypes.c_bool), ("logits_rows", ctypes.c_int32), ("state_correction", ctypes.c_bool)]
 
 
 _SIGNATURES["llama_ridgefill_default_params"] = (Params, [])
@@ -172,7 +173,8 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 
 # configure's keywords, in the order it applies them; probe and probe_budget replace each other
 CONFIG_KEYS = ("tail", "fill", "exact_rows", "exact_random", "chunk", "min_prefix", "logits_rows", "probe",
-               "probe_budget", "random_budget", "protected", "rescale", "whole_numbers", "blind", "attention")
+               "probe_budget", "random_budget", "protected", "rescale", "whole_numbers", "blind", "attention",
+               "state_correction")
 _REPLACES = {"probe": "probe_budget", "probe_budget": "probe"}
 # what configure has been given per context (by address): each call sets the whole configuration again, since
 # llama_ridgefill_set_params turns the research controls off
@@ -208,7 +210,7 @@ def _apply(ctx, c: dict) -> None:
     p = lib.llama_ridgefill_default_params()
     for key, field in (("tail", "n_tail"), ("chunk", "chunk"), ("min_prefix", "min_prefix"),
                        ("logits_rows", "logits_rows"), ("whole_numbers", "whole_numbers"),
-                       ("protected", "protected_share")):
+                       ("protected", "protected_share"), ("state_correction", "state_correction")):
         if key in c:
             setattr(p, field, c[key])
     if "probe" in c:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..maps import format as fmt
 from ..maps.convert import encode
+from ..maps.state_delta import measure_state_deltas, write_state_deltas
 from ..util import save_figure, write_atomic
 from .capture import Capturer, iter_documents, sums_device
 from .score import CacheProjector, LayerScore, score_layer
@@ -40,6 +41,8 @@ class FitOptions:
     tail_default: int = 1024
     checkpoint_every_s: float = 60.0
     layer_range: tuple[int, int] | None = None  # fit only these late layers (a group, to bound memory)
+    state_correction: bool = False  # hybrids: measure the terminal-state offsets on the held-out text
+    state_every: int = 2048         #   from the states every this many rows
 
     def late_layers(self, split: int, n_layer: int) -> list[int]:
         lo, hi = self.layer_range or (0, n_layer - 1)
@@ -191,6 +194,8 @@ def write_split_maps(out: Path, model_fp: fmt.ModelFingerprint, ss: SplitSums, l
 
 
 def validate(model_fp: fmt.ModelFingerprint, calib: list, heldout: list, opts: FitOptions) -> None:
+    if opts.state_correction and not model_fp.recurrent_layers:
+        raise FitError(f"--state-correction: '{model_fp.architecture}' has no recurrent layers to correct")
     if model_fp.architecture not in SUPPORTED_ARCHS:
         raise FitError(f"architecture '{model_fp.architecture}' is not supported (supported: "
                        f"{', '.join(SUPPORTED_ARCHS)})")
@@ -249,6 +254,7 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
             if ss.n < ss.d_in:
                 raise FitError(f"split {s}: {ss.n} calibration rows, fewer than d_in = {ss.d_in}: give more text")
         heldout_rows = capture_heldout(cap, heldout, opts, log)
+        held_tokens = [cap.tokenize(d.text, opts.max_doc_tokens) for d in heldout] if opts.state_correction else []
     finally:
         cap.close()
     heldout_rows.save(heldout_path(sums_path))
@@ -269,6 +275,11 @@ def fit(model: Path, calib_paths: list, heldout_paths: list, out: Path, opts: Fi
         t_solve = time.perf_counter() - t0
         write_split_maps(o, model_fp, ss, ev["best"], state, opts, force, ev["solution"])
         report["splits"][s] = split_report(ss, ev, o, t_solve)
+        if opts.state_correction:
+            deltas, n_states = measure_state_deltas(model, o, held_tokens, opts.state_every, log)
+            write_state_deltas(o, deltas, o)
+            report["splits"][s]["state_deltas"] = {"layers": sorted(deltas), "states_per_layer": n_states,
+                                                  "every": opts.state_every, "documents": len(held_tokens)}
         log(f"fit: split {s}: lambda {ev['best']:.4g}, wrote {o}")
     report["seconds"] = time.perf_counter() - t_start
     write_reports(out, report)

@@ -55,6 +55,11 @@ def bias_name(layer: int) -> str:
 TOKEN_FREQ = "rf_token_freq"
 
 
+def state_delta_name(layer: int) -> str:
+    """The terminal-state correction's offset of a late recurrent layer: F32, shaped as the layer's state."""
+    return f"blk.{layer}.rf_state_delta"
+
+
 @dataclass
 class MapsMeta:
     architecture: str
@@ -89,6 +94,8 @@ class ModelFingerprint:
     vocab_sha256: str | None = None
     n_vocab: int | None = None
     path: str | None = None
+    recurrent_layers: tuple[int, ...] = ()  # Gated DeltaNet layers (qwen35)
+    n_embd_s: int | None = None             # their recurrent state's size
 
 
 def vocab_sha256(tokens: Iterable[bytes]) -> str:
@@ -111,8 +118,14 @@ def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
         raise ValueError(f"{model_path}: no {arch}.block_count or {arch}.embedding_length")
     tokens = g.fields.get("tokenizer.ggml.tokens")
     vocab = vocab_sha256(tokens[1]) if tokens else None
+    recurrent, n_embd_s = (), None
+    if arch == "qwen35":
+        interval = int(g.get(f"{arch}.full_attention_interval", 4))
+        recurrent = tuple(il for il in range(int(n_layer)) if (il + 1) % interval != 0)
+        state = int(g.get(f"{arch}.ssm.state_size"))
+        n_embd_s = state * state * int(g.get(f"{arch}.ssm.time_step_rank"))
     return ModelFingerprint(arch, int(n_layer), int(n_embd), vocab, len(tokens[1]) if tokens else None,
-                            str(model_path))
+                            str(model_path), recurrent, n_embd_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +317,16 @@ def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
             err(f"tensor {bias_name(layer)} is missing")
         elif b.type != QT.F32 or b.ne != (d_out,):
             err(f"tensor {b.name} is {b.type.name} {list(b.ne)}, expected F32 [{d_out}]")
-    extra = sorted(set(g.tensors) - {weight_name(x) for x in layers} - {bias_name(x) for x in layers} - {TOKEN_FREQ})
+    deltas = sorted(int(n.split(".")[1]) for n in g.tensors if n.startswith("blk.") and n.endswith(".rf_state_delta"))
+    for layer in deltas:
+        t = g.tensors[state_delta_name(layer)]
+        if model is not None and (split is None or layer < split or layer not in model.recurrent_layers):
+            err(f"tensor {t.name} is for layer {layer}, which is not a recurrent layer at or after the split")
+        elif t.type != QT.F32 or (model is not None and t.n_elements != model.n_embd_s):
+            err(f"tensor {t.name} is {t.type.name} of {t.n_elements} values, expected F32 of "
+                f"{model.n_embd_s if model is not None else '?'} (the layer's state)")
+    extra = sorted(set(g.tensors) - {weight_name(x) for x in layers} - {bias_name(x) for x in layers} - {TOKEN_FREQ}
+                   - {state_delta_name(x) for x in deltas})
     if extra:
         p.warnings.append(f"tensors not in ridgefill.layers are ignored: {', '.join(extra[:5])}"
                           + (" ..." if len(extra) > 5 else ""))

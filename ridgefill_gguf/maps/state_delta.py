@@ -1,0 +1,83 @@
+"""The terminal-state correction's offsets (paper §2.3, Appendix H): per late Gated DeltaNet layer and value head, the
+mean difference between the recurrent state of an exact prefix and that of a fully filled one, measured every
+`every` rows of held-out prompts, and stored beside the maps as blk.N.rf_state_delta (F32, the state's layout:
+[n_v_heads, head_v_dim, head_k_dim] in C order, ggml's [head_k_dim, head_v_dim, n_v_heads]).
+
+The measurement runs the layers in NumPy (reference_hybrid), float64: minutes for small models, not meant for 27B
+ones, whose offsets would be measured through the engine.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from ..gguf_io import read_gguf, tensor_f32
+from ..util import write_atomic_with
+from .format import state_delta_name, weight_name, bias_name
+
+
+def measure_state_deltas(model: str | Path, maps: str | Path, prompts: list[list[int]], every: int = 2048,
+                         log: Callable[[str], None] = print) -> tuple[dict[int, np.ndarray], int]:
+    """({late recurrent layer: mean exact-minus-filled state}, the number of states averaged per layer). A filled
+    row's layer input is its map's prediction from x_S (x_S itself at the split)."""
+    from ..reference_hybrid import HybridReference
+    from ..reference_hybrid_ridgefill import stock_forward
+
+    ref = HybridReference(model)
+    g = read_gguf(maps)
+    split = int(g.get("ridgefill.split"))
+    layers = [il for il in range(split, ref.hp.n_layer) if ref.hp.recurrent[il]]
+    sums = {il: 0.0 for il in layers}
+    count = 0
+    for i, tokens in enumerate(prompts):
+        inputs = stock_forward(ref, tokens)[1]
+        x_split = inputs[split]
+        marks = list(range(every, len(tokens) + 1, every)) or [len(tokens)]
+        for il in layers:
+            pred = x_split
+            if il > split:
+                a, b = tensor_f32(g, weight_name(il)).astype(np.float64), tensor_f32(g, bias_name(il)).astype(np.float64)
+                pred = x_split @ a.T + b
+            norm = ref.w(f"blk.{il}.attn_norm.weight")
+            states = []
+            for h in (ref.rms(inputs[il], norm), ref.rms(pred, norm)):
+                conv = state = None
+                out, start = [], 0
+                for end in marks:
+                    _, conv, state = ref.gated_deltanet(il, h[start:end], conv, state)
+                    out.append(state)
+                    start = end
+                states.append(out)
+            sums[il] = sums[il] + sum(e - f for e, f in zip(*states))
+        count += len(marks)
+        log(f"state-delta: prompt {i + 1}/{len(prompts)}, {len(tokens)} tokens, {len(marks)} states per layer")
+    return {il: (sums[il] / count).astype(np.float32) for il in layers}, count
+
+
+def write_state_deltas(maps: str | Path, deltas: dict[int, np.ndarray], out: str | Path) -> Path:
+    """A copy of the maps GGUF with these offsets (replacing any it had), written atomically."""
+    r = GGUFReader(str(maps))
+
+    def write(tmp: Path) -> None:
+        w = GGUFWriter(str(tmp), arch=r.fields["general.architecture"].contents())
+        for f in r.fields.values():
+            if f.name.startswith("GGUF.") or f.name == "general.architecture":
+                continue
+            w.add_key_value(f.name, f.contents(), f.types[0],
+                            sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+        names = {state_delta_name(il) for il in deltas}
+        for t in r.tensors:
+            if t.name not in names and not t.name.endswith(".rf_state_delta"):
+                data = np.asarray(t.data)
+                w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+        for il in sorted(deltas):
+            w.add_tensor(state_delta_name(il), np.ascontiguousarray(deltas[il], dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return write_atomic_with(Path(out), write)
