@@ -7,6 +7,7 @@ in the wrong order, exact rows fed their prediction, the probe's states kept) mi
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -83,13 +84,14 @@ def test_the_filled_arms_and_exact_rows_match_the_numpy_hybrid_arm_in_chunks_of_
 
 
 @pytest.mark.parametrize("flash_attn", [False, True])
-def test_plumb_and_oracle_give_stock_bytes_on_a_hybrid_and_decoding_continues_their_states(flash_attn, hybrid,
+def test_plumb_oracle_and_nothing_filled_give_stock_bytes_on_a_hybrid_and_decoding_continues_their_states(flash_attn, hybrid,
                                                                                           tmp_path):
     # the prompt's last token goes through llama_decode, reading every late layer's carried state
     require_builds("ridgefill")
     model, maps, _, ref, tokens = hybrid
     runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": base(fill="plumb")},
             {"name": "oracle", "params": base(fill="oracle")},
+            {"name": "nothing_filled", "params": base(tail=100000)},
             {"name": "stock_rows", "stock": True, "rows": TAIL},
             {"name": "plumb_rows", "rows": TAIL, "params": base(fill="plumb")}]
     session = {"flash_attn": flash_attn, "f32_cache": True}
@@ -97,6 +99,8 @@ def test_plumb_and_oracle_give_stock_bytes_on_a_hybrid_and_decoding_continues_th
     assert stats["plumb"]["applied"] == 1 and stats["oracle"]["applied"] == 1
     assert arrays["plumb"].tobytes() == arrays["stock"].tobytes()
     assert arrays["oracle"].tobytes() == arrays["stock"].tobytes()
+    assert stats["nothing_filled"]["applied"] == 1 and stats["nothing_filled"]["n_filled"] == 0
+    assert arrays["nothing_filled"].tobytes() == arrays["stock"].tobytes()
     assert arrays["plumb_rows"].tobytes() == arrays["stock_rows"].tobytes()
     if not flash_attn:  # flash attention's F16 internals put llama.cpp itself 4e-4 from NumPy
         assert rel(arrays["stock_rows"], stock_forward(ref, tokens)[0][-TAIL:]) < TOLERANCE
@@ -221,3 +225,34 @@ except bindings.MapsRefused as e:
     print("REFUSED", e)
 """).stdout
     assert "REFUSED" in out and "blk.3.rf_state_delta is for layer 3, which is not a recurrent layer" in out
+
+
+def test_the_probes_states_stay_out_of_a_continued_sequence(hybrid):
+    # a continued sequence keeps its late states (no clearing before the second sweep): had the probe's pass
+    # written its states back, the probe's prefill would differ from one given the probe's rows as exact rows
+    require_builds("ridgefill")
+    model, maps, _, _, tokens = hybrid
+    code = f"""
+import json
+import numpy as np
+from ridgefill_gguf import libs
+from ridgefill_gguf.engine.session import Session
+libs.use_build("ridgefill")
+s = Session({str(model)!r}, n_ctx=512, n_batch=64, n_ubatch=32, n_threads=2, f32_cache=True, maps={str(maps)!r})
+b = s.bindings
+first, rest = {tokens!r}[:30], {tokens!r}[30:]
+def run(**params):
+    b.configure(s.ctx, tail={TAIL}, chunk=48, min_prefix=0, **params)
+    s.clear()
+    s._stock_prefix(first)
+    assert b.prefill(s.ctx, rest[:-1], n_following=1), b.not_applied_reason()
+    rows = b.exact_rows(s.ctx)
+    s._decode(rest[-1:], len(first) + len(rest) - 1, "last")
+    return s._last_logits(), rows
+probe, rows = run(probe=(8, 10))
+given, same = run(probe=(0, 0), exact_rows=rows)
+print(json.dumps({{"rows": rows, "same": same, "identical": probe.tobytes() == given.tobytes()}}))
+"""
+    out = json.loads(run_py(code, "ridgefill").stdout.strip().splitlines()[-1])
+    assert len(out["rows"]) == 10 and out["same"] == out["rows"]
+    assert out["identical"]

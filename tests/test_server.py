@@ -515,3 +515,22 @@ def test_the_terminal_state_correction_is_set_per_server_and_per_request_and_cou
     assert on["timings"]["ridgefill"]["state_corrected"] == 3
     assert declined["timings"]["ridgefill"]["state_corrected"] == 0
     assert props["state_correction"] is True
+
+
+def test_metrics_count_ridgefill_prefills_their_rows_and_the_fallbacks_by_reason(model_and_maps):
+    import urllib.request
+
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    with Server(model, maps, tail=64, threads=2, extra=("--metrics",), log_path=d / "metrics.log") as srv:
+        long = srv.complete(PROMPT, n_predict=1)
+        short = srv.complete("A short prompt.", n_predict=1)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        counts = {name: metric(srv, name) for name in ("ridgefill_prefills_total", "ridgefill_rows_filled_total",
+                                                       "ridgefill_rows_exact_total")}
+    rf = long["timings"]["ridgefill"]
+    assert counts == {"ridgefill_prefills_total": 1, "ridgefill_rows_filled_total": rf["filled"],
+                      "ridgefill_rows_exact_total": rf["exact"] + rf["tail"]}
+    assert "shorter than min_prefix" in short["timings"]["ridgefill"]["not_used"]
+    assert 'llamacpp:ridgefill_fallbacks_total{reason="short_prompt"} 1' in text
