@@ -231,7 +231,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     with DeviceMemory() as mem:
         for placement in placements:
             where, fill = split_placement(placement)
-            with Server(model, maps, tail=tail, placement=where, fill=fill, min_prefix=min_prefix,
+            # research: the fill variants and the random rows of the exact-rows line are controls
+            with Server(model, maps, tail=tail, placement=where, fill=fill, min_prefix=min_prefix, research=True,
                         log_path=out_dir / f"server-{placement.replace(':', '-')}.log", **common) as srv:
                 commands[placement] = " ".join(srv.command)
                 builds[placement] = srv.get("/props").get("build_info")

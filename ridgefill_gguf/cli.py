@@ -372,13 +372,11 @@ def corpus(folder: Path | None) -> None:
 @click.option("--maps", type=click.Path(exists=True, dir_okay=False), help="RidgeFill maps GGUF (without: stock)")
 @click.option("--tail", type=int, default=None, help="exact tail rows (default: the maps' recommendation)")
 @click.option("--placement", type=click.Choice(["resident", "streamed"]), default="resident", show_default=True)
-@click.option("--fill", type=click.Choice(["ridge", "identity", "none"]), default="ridge", show_default=True)
 @click.option("--min-prefix", type=int, default=None, help="shorter prefixes run stock (engine default 256)")
-@click.option("--select", type=click.Choice(["none", "probe", "attention", "protected", "random", "blind-probe",
-                                            "blind-attention"]), default="probe",
+@click.option("--select", type=click.Choice(["none", "probe", "attention", "protected"]), default="probe",
               show_default=True, help="prefix rows that run exactly besides the tail (docs/engine.md)")
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
-              "exact (default: the selector's own; the probe and random count by the budget)")
+              "exact (default: the selector's own; the probe counts by the budget)")
 @click.option("--budget", type=click.FloatRange(0), default=None, help="the probe's budget factor (default 1.0)")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
               help=f"context size (default: the model's, at most {32768})")
@@ -388,7 +386,7 @@ def corpus(folder: Path | None) -> None:
 @click.option("-ngl", "--n-gpu-layers", type=int, default=None)
 @click.option("--log", "log_path", type=click.Path(dir_okay=False), default=None, help="server log file")
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED)
-def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, budget, n_ctx, host, port, threads,
+def serve(model, maps, tail, placement, min_prefix, select, exact_share, budget, n_ctx, host, port, threads,
           n_gpu_layers, log_path, extra) -> None:
     """Start the patched llama-server on MODEL with RidgeFill MAPS; print where it listens.
 
@@ -396,7 +394,7 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, b
     the stock way; responses carry the prefill's statistics in timings.ridgefill."""
     from .serve import Server, ServerError
 
-    srv = Server(model, maps, tail=tail, placement=placement, fill=fill, min_prefix=min_prefix, select=select,
+    srv = Server(model, maps, tail=tail, placement=placement, min_prefix=min_prefix, select=select,
                  exact_share=exact_share, budget=budget, n_ctx=n_ctx,
                  host=host, port=port, threads=threads, n_gpu_layers=n_gpu_layers, extra=tuple(extra),
                  log_path=log_path)
@@ -421,7 +419,7 @@ def serve(model, maps, tail, placement, fill, min_prefix, select, exact_share, b
             raise click.ClickException(str(e)) from e
         if not stop_requested:
             click.echo(f"llama-server listening on {srv.url} " +
-                       (f"(RidgeFill maps {maps}, {placement}, fill {fill})" if maps else "(no maps: stock prefill)"))
+                       (f"(RidgeFill maps {maps}, {placement})" if maps else "(no maps: stock prefill)"))
             srv.proc.wait()
     except KeyboardInterrupt:
         click.echo("stopping")

@@ -67,7 +67,10 @@ class Server:
 
     def __init__(self, model: str | Path, maps: str | Path | None = None, *, build: str = "ridgefill",
                  port: int | None = None, log_path: str | Path | None = None, startup_timeout: float = 600,
-                 env: dict[str, str] | None = None, **kwargs):
+                 env: dict[str, str] | None = None, research: bool = False, **kwargs):
+        # research: the server takes RidgeFill's research controls (other fills, the random and blind selectors)
+        if research:
+            env = {**(env or {}), "LLAMA_RIDGEFILL_RESEARCH": "1"}
         self.port = port or free_port()
         self.binary = libs.find_binary(build, "llama-server")
         self.args = server_args(model, maps, port=self.port, **kwargs)

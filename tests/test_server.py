@@ -52,7 +52,7 @@ def test_the_ridgefill_flags_can_come_from_the_environment(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
     env = {"LLAMA_ARG_RIDGEFILL": str(maps), "LLAMA_ARG_RIDGEFILL_TAIL": "100",
-           "LLAMA_ARG_RIDGEFILL_MIN_PREFIX": "0", "LLAMA_ARG_RIDGEFILL_FILL": "identity"}
+           "LLAMA_ARG_RIDGEFILL_MIN_PREFIX": "0", "LLAMA_ARG_RIDGEFILL_SELECT": "none"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -65,7 +65,8 @@ def test_the_ridgefill_flags_can_come_from_the_environment(model_and_maps):
             else:
                 os.environ[k] = v
     assert rf["tail"] == 100
-    assert "RidgeFill on: split 1, fill identity, tail 100" in (d / "env.log").read_text()
+    assert rf["select"] == "none"
+    assert "RidgeFill on: split 1, fill ridge, tail 100, exact rows: none" in (d / "env.log").read_text()
 
 
 def test_the_exact_row_selector_is_set_per_server_and_per_request(model_and_maps):
@@ -94,7 +95,8 @@ def test_the_probe_counts_its_rows_by_the_budget_and_random_rows_match_that_coun
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
     extra = ("--ridgefill-select", "probe", "--ridgefill-probe-rows", "32")
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "budget.log") as srv:
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, research=True,
+                log_path=d / "budget.log") as srv:
         probe = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2)["timings"]["ridgefill"]
         half = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2, ridgefill_budget=0.5)["timings"]["ridgefill"]
         rand = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2, ridgefill_select="random")["timings"]["ridgefill"]
@@ -534,3 +536,20 @@ def test_metrics_count_ridgefill_prefills_their_rows_and_the_fallbacks_by_reason
                       "ridgefill_rows_exact_total": rf["exact"] + rf["tail"]}
     assert "shorter than min_prefix" in short["timings"]["ridgefill"]["not_used"]
     assert 'llamacpp:ridgefill_fallbacks_total{reason="short_prompt"} 1' in text
+
+
+def test_research_controls_are_refused_by_name_unless_the_server_runs_for_research(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    srv = Server(model, maps, fill="none", log_path=d / "research-fill.log", startup_timeout=60)
+    with pytest.raises(ServerError):
+        srv.start()
+    assert "--ridgefill-fill none is a research control, not a serving mode" in (d / "research-fill.log").read_text()
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=d / "research.log") as srv:
+        for select in ("random", "blind-probe"):
+            with pytest.raises(ServerError, match=f"ridgefill_select {select} is a research control"):
+                srv.complete(PROMPT, n_predict=1, ridgefill_select=select)
+        assert srv.complete(PROMPT, n_predict=1, ridgefill_select="none")["timings"]["ridgefill"]["filled"] > 0
+    with Server(model, maps, fill="identity", tail=64, min_prefix=0, threads=2, research=True,
+                log_path=d / "research-on.log") as srv:
+        assert srv.complete(PROMPT, n_predict=1, ridgefill_select="random")["timings"]["ridgefill"]["select"] == "random"
