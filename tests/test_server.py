@@ -184,10 +184,16 @@ def test_a_maps_file_that_does_not_fit_is_refused_by_name_and_the_server_serves_
 def test_a_bad_flag_value_stops_the_server_with_the_reason(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
-    srv = Server(model, maps, fill="sometimes", log_path=d / "flag.log", startup_timeout=60)
+    assert_refused_at_start(model, maps, d / "flag.log", "--ridgefill-fill must be ridge, identity or none, not "
+                            "sometimes", fill="sometimes")
+
+
+def assert_refused_at_start(model, maps, log, message: str, **kwargs) -> None:
+    """The server stops while starting, and its log says why."""
+    srv = Server(model, maps, log_path=log, startup_timeout=60, **kwargs)
     with pytest.raises(ServerError):
         srv.start()
-    assert "--ridgefill-fill must be ridge, identity or none, not sometimes" in (d / "flag.log").read_text()
+    assert message in log.read_text()
 
 
 def start_serve(model, maps, port: int) -> subprocess.Popen:
@@ -541,10 +547,8 @@ def test_metrics_count_ridgefill_prefills_their_rows_and_the_fallbacks_by_reason
 def test_research_controls_are_refused_by_name_unless_the_server_runs_for_research(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
-    srv = Server(model, maps, fill="none", log_path=d / "research-fill.log", startup_timeout=60)
-    with pytest.raises(ServerError):
-        srv.start()
-    assert "--ridgefill-fill none is a research control, not a serving mode" in (d / "research-fill.log").read_text()
+    assert_refused_at_start(model, maps, d / "research-fill.log",
+                            "--ridgefill-fill none is a research control, not a serving mode", fill="none")
     with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=d / "research.log") as srv:
         for select in ("random", "blind-probe"):
             with pytest.raises(ServerError, match=f"ridgefill_select {select} is a research control"):
