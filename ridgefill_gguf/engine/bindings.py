@@ -153,7 +153,7 @@ def load_maps(model, path, placement: str = "resident") -> LoadedMaps:
     lib = _bound()
     handle = lib.llama_ridgefill_maps_load(model, str(path).encode(), PLACEMENTS[placement])
     if not handle:
-        raise MapsRefused(lib.llama_ridgefill_last_error().decode())
+        raise MapsRefused(lib.llama_ridgefill_last_error().decode(errors="replace"))
     n = lib.llama_ridgefill_maps_n_layers(handle)
     tail, lam = lib.llama_ridgefill_maps_tail_default(handle), lib.llama_ridgefill_maps_lambda(handle)
     return LoadedMaps(handle, lib.llama_ridgefill_maps_split(handle),
@@ -167,7 +167,7 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
     """Attach loaded maps to a context (None detaches); the maps must stay loaded while attached."""
     lib = _prefill_lib()
     if lib.llama_ridgefill_attach(ctx, maps.handle if maps else None) != 0:
-        raise RidgeFillUnavailable(lib.llama_ridgefill_last_error().decode())
+        raise RidgeFillUnavailable(lib.llama_ridgefill_last_error().decode(errors="replace"))
     _configs.pop(_ctx_key(ctx), None)  # a fresh attachment starts from the defaults
 
 
@@ -245,7 +245,7 @@ def _apply(ctx, c: dict) -> None:
                                                                                     len(layers) if layers else 0)))
     for name, rc in calls:
         if rc != 0:
-            err = lib.llama_ridgefill_last_error().decode()
+            err = lib.llama_ridgefill_last_error().decode(errors="replace")
             raise ValueError(f"RidgeFill parameter {name} refused" + (f": {err}" if err else ""))
 
 
@@ -264,7 +264,7 @@ def prefill(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0) -> bo
     arr = (ctypes.c_int32 * len(tokens))(*tokens)
     rc = lib.llama_ridgefill_prefill(ctx, seq, arr, len(tokens), n_following)
     if rc < 0:
-        raise PrefillError(lib.llama_ridgefill_last_error().decode())
+        raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
     return rc == 0
 
 
@@ -276,7 +276,7 @@ def select_rows(model, maps: LoadedMaps | None, tokens: list[int], n_prefix: int
     n = lib.llama_ridgefill_select_rows(model, maps.handle if maps else None, arr, len(tokens), n_prefix, RULES[rule],
                                         out, n_prefix)
     if n < 0:
-        raise ValueError(lib.llama_ridgefill_last_error().decode())
+        raise ValueError(lib.llama_ridgefill_last_error().decode(errors="replace"))
     return list(out[:n])
 
 
@@ -303,7 +303,7 @@ def exact_rows(ctx) -> list[int]:
 
 
 def not_applied_reason() -> str:
-    return _bound().llama_ridgefill_last_error().decode()
+    return _bound().llama_ridgefill_last_error().decode(errors="replace")
 
 
 def _bound() -> ctypes.CDLL:
