@@ -27,13 +27,15 @@ from .gguf_io import GGUFFile, RawField, read_gguf
 from .kquants import quantize_q4_k, quantize_q6_k
 from .paths import vendor_dir
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen35")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen35", "qwen3next")
+HYBRID_ARCHS = ("qwen35", "qwen3next")  # Gated DeltaNet layers beside gated attention
 
 DEFAULT_VOCABS = {
     "llama": "ggml-vocab-llama-bpe.gguf",
     "qwen2": "ggml-vocab-qwen2.gguf",
     "qwen3": "ggml-vocab-qwen2.gguf",
     "qwen35": "ggml-vocab-qwen35.gguf",
+    "qwen3next": "ggml-vocab-qwen2.gguf",
 }
 
 DTYPES = {"f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
@@ -69,6 +71,11 @@ class ModelShape:
     ssm_d_state: int = 128            # head_k_dim; llama.cpp also takes it as head_v_dim
     ssm_n_group: int = 16             # number of key heads
     ssm_dt_rank: int = 32             # number of value heads
+    # qwen3next only: a mixture of experts in every layer, beside one shared expert
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
 
     @classmethod
     def from_gguf(cls, model: str | Path | GGUFFile) -> "ModelShape":
@@ -79,7 +86,7 @@ class ModelShape:
         n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
         n_rot = get("rope.dimension_count")
         recurrent = {}
-        if arch == "qwen35":
+        if arch in HYBRID_ARCHS:
             recurrent = dict(full_attention_interval=int(get("full_attention_interval", 4)),
                              rope_sections=tuple(int(x) for x in get("rope.dimension_sections", (11, 11, 10, 0))),
                              ssm_d_conv=int(get("ssm.conv_kernel")), ssm_d_state=int(get("ssm.state_size")),
@@ -105,7 +112,7 @@ class ModelShape:
         return self.head_v_dim * self.ssm_dt_rank
 
     def is_recurrent(self, il: int) -> bool:
-        return self.arch == "qwen35" and (il + 1) % self.full_attention_interval != 0
+        return self.arch in HYBRID_ARCHS and (il + 1) % self.full_attention_interval != 0
 
     def validate(self) -> None:
         def need(cond: bool, what: str) -> None:
@@ -121,7 +128,10 @@ class ModelShape:
             need(self.rot_dims == self.head_dim, "n_rot must equal head_dim")  # asserted by the graphs
         if self.arch == "qwen2":
             need(self.n_head * self.head_dim == self.n_embd, "n_head * head_dim must equal n_embd")
-        if self.arch == "qwen35":
+        if self.arch == "qwen3next":
+            need(0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0 and self.n_ff_shexp > 0,
+                 "experts: 0 < n_expert_used <= n_expert, n_ff_exp and n_ff_shexp > 0")
+        if self.arch in HYBRID_ARCHS:
             need(self.full_attention_interval > 0, "full_attention_interval must be positive")
             need(len(self.rope_sections) == 4 and any(self.rope_sections)
                  and 2 * sum(self.rope_sections) <= self.rot_dims, "rope_sections must fit in n_rot/2")
@@ -141,6 +151,9 @@ def tiny_shape(arch: str) -> ModelShape:
         return ModelShape(**{**common, "n_layer": 4, "head_dim": 32}, rope_theta=10000000.0, n_rot=8,
                           full_attention_interval=4, rope_sections=(2, 1, 1, 0),
                           ssm_d_conv=4, ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4)
+    if arch == "qwen3next":  # the same layers, with a mixture of 4 experts (2 used) and a shared one
+        return dataclasses.replace(tiny_shape("qwen35"), arch=arch, n_rot=16, n_expert=4, n_expert_used=2,
+                                   n_ff_exp=32, n_ff_shexp=48)
     raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
 
 
@@ -204,13 +217,16 @@ def tensor_specs(shape: ModelShape, n_vocab: int) -> list[TensorSpec]:
             t("ssm_conv1d.weight", (s.ssm_d_conv, 2 * key_dim + value_dim), "linear")
             t("ssm_dt.bias", (s.ssm_dt_rank,), "dt_bias")
             t("ssm_a", (s.ssm_dt_rank,), "ssm_a")
-            t("ssm_beta.weight", (E, s.ssm_dt_rank), "linear")
-            t("ssm_alpha.weight", (E, s.ssm_dt_rank), "linear")
+            if s.arch == "qwen3next":  # beta and alpha in one projection, interleaved per key head
+                t("ssm_ba.weight", (E, 2 * s.ssm_dt_rank), "linear")
+            else:
+                t("ssm_beta.weight", (E, s.ssm_dt_rank), "linear")
+                t("ssm_alpha.weight", (E, s.ssm_dt_rank), "linear")
             t("ssm_norm.weight", (s.head_v_dim,), "norm")
             t("ssm_out.weight", (value_dim, E), "residual")
         else:
             # qwen35's attention q projection carries a sigmoid output gate next to each head
-            t("attn_q.weight", (E, q_dim * (2 if s.arch == "qwen35" else 1)), "linear")
+            t("attn_q.weight", (E, q_dim * (2 if s.arch in HYBRID_ARCHS else 1)), "linear")
             t("attn_k.weight", (E, kv_dim), "linear")
             t("attn_v.weight", (E, kv_dim), "linear")
             if s.arch == "qwen2":
@@ -218,10 +234,20 @@ def tensor_specs(shape: ModelShape, n_vocab: int) -> list[TensorSpec]:
                 t("attn_k.bias", (kv_dim,), "bias")
                 t("attn_v.bias", (kv_dim,), "bias")
             t("attn_output.weight", (q_dim, E), "residual")
-            if s.arch in ("qwen3", "qwen35"):
+            if s.arch in ("qwen3", *HYBRID_ARCHS):
                 t("attn_q_norm.weight", (s.head_dim,), "norm")
                 t("attn_k_norm.weight", (s.head_dim,), "norm")
-        t("post_attention_norm.weight" if s.arch == "qwen35" else "ffn_norm.weight", (E,), "norm")
+        t("post_attention_norm.weight" if s.arch in HYBRID_ARCHS else "ffn_norm.weight", (E,), "norm")
+        if s.n_expert:
+            t("ffn_gate_inp.weight", (E, s.n_expert), "linear")
+            t("ffn_gate_exps.weight", (E, s.n_ff_exp, s.n_expert), "linear")
+            t("ffn_up_exps.weight", (E, s.n_ff_exp, s.n_expert), "linear")
+            t("ffn_down_exps.weight", (s.n_ff_exp, E, s.n_expert), "residual")
+            t("ffn_gate_inp_shexp.weight", (E,), "linear")
+            t("ffn_gate_shexp.weight", (E, s.n_ff_shexp), "linear")
+            t("ffn_up_shexp.weight", (E, s.n_ff_shexp), "linear")
+            t("ffn_down_shexp.weight", (s.n_ff_shexp, E), "residual")
+            continue
         t("ffn_gate.weight", (E, F), "linear")
         t("ffn_up.weight", (E, F), "linear")
         t("ffn_down.weight", (F, E), "residual")
@@ -361,6 +387,12 @@ def _add_hparams(w: gguf.GGUFWriter, s: ModelShape, n_vocab: int, ftype: gguf.Ll
     w.add_rope_dimension_count(s.rot_dims)
     if s.arch == "qwen35":
         w.add_rope_dimension_sections(list(s.rope_sections))  # required, and exactly 4 long
+    if s.n_expert:
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
+        w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    if s.arch in HYBRID_ARCHS:
         w.add_full_attention_interval(s.full_attention_interval)
         w.add_ssm_conv_kernel(s.ssm_d_conv)
         w.add_ssm_state_size(s.ssm_d_state)

@@ -43,7 +43,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen35"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen35", "qwen3next"])
 def test_captured_layer_zero_rows_are_the_token_embeddings_and_later_layers_are_captured_too(arch, tiny_models):
     require_builds("ridgefill")
     proc = run_py(CAPTURE.format(model=str(tiny_models[arch])), "ridgefill")

@@ -256,3 +256,63 @@ print(json.dumps({{"rows": rows, "same": same, "identical": probe.tobytes() == g
     out = json.loads(run_py(code, "ridgefill").stdout.strip().splitlines()[-1])
     assert len(out["rows"]) == 10 and out["same"] == out["rows"]
     assert out["identical"]
+
+
+# -- qwen3next: the same schedule through its own adapter (a mixture of experts, beta and alpha in one projection,
+# grouped value heads); no NumPy reference of it exists, so its ladder stops at stock's bytes and resident = streamed
+
+
+@pytest.fixture(scope="module")
+def next_hybrid(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine-qwen3next")
+    shape = dataclasses.replace(tiny_shape("qwen3next"), n_layer=N_LAYER)
+    model = long_memory_copy(write_random_model(d / "stock.gguf", shape, seed=5), d / "qwen3next.gguf")
+    src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), shape.n_embd,
+                           dtype="f32", seed=6)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(1000, 5000, 100)]
+    return model, convert(src, d / "maps.gguf", model=model, outtype="f32").out, tokens
+
+
+def test_qwen3next_off_is_byte_identical_to_upstream_and_plumb_oracle_and_nothing_filled_to_stock(next_hybrid,
+                                                                                                 tmp_path):
+    require_builds()
+    model, maps, tokens = next_hybrid
+    text = "A hybrid of experts carries a recurrent state beside its attention cache. " * 8
+    report = eq.check(model, [text], n_ctx=512, decode_steps=3, maps=maps,
+                      cases=[eq.Case(64, 32, False), eq.Case(64, 27, True)])
+    assert report["identical"], [r for r in report["arrays"] if not r["identical"]]
+    runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": base(fill="plumb")},
+            {"name": "oracle", "params": base(fill="oracle")},
+            {"name": "nothing_filled", "params": base(tail=100000)}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    for name in ("plumb", "oracle", "nothing_filled"):
+        assert stats[name]["applied"] == 1
+        assert arrays[name].tobytes() == arrays["stock"].tobytes(), name
+
+
+def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed_maps_alike(next_hybrid, tmp_path):
+    from ridgefill_gguf.maps.state_delta import write_state_deltas
+
+    require_builds("ridgefill")
+    model, maps, tokens = next_hybrid
+    shape = dataclasses.replace(tiny_shape("qwen3next"), n_layer=N_LAYER)
+    state = (shape.ssm_dt_rank, shape.head_v_dim, shape.ssm_d_state)
+    corrected = write_state_deltas(maps, {il: np.full(state, 0.05, np.float32) for il in (4, 5, 6)},
+                                   tmp_path / "corrected.gguf")
+    runs = [{"name": "stock", "stock": True}, {"name": "ridge", "params": base()},
+            {"name": "identity", "params": base(fill="identity")},
+            {"name": "probe", "params": base(probe=[8, 10])},
+            {"name": "rescale", "params": base(rescale=[16, True, False])},
+            {"name": "corrected", "params": base(state_correction=True)}]
+    out = {}
+    for placement in ("resident", "streamed"):
+        out[placement] = run_engine(model, corrected, runs, session={"placement": placement}, tokens=tokens,
+                                    tmp_path=tmp_path)
+    arrays, stats = out["resident"]
+    for run in runs:
+        assert out["resident"][0][run["name"]].tobytes() == out["streamed"][0][run["name"]].tobytes(), run["name"]
+        assert np.isfinite(arrays[run["name"]]).all()
+    for a, b in (("ridge", "identity"), ("ridge", "probe"), ("ridge", "rescale"), ("ridge", "corrected"),
+                 ("stock", "ridge")):
+        assert np.abs(arrays[a] - arrays[b]).max() > 1e-4, (a, b)
+    assert stats["probe"]["n_probe_exact"] == 10 and stats["corrected"]["n_state_corrected"] == 3

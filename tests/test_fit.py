@@ -265,15 +265,16 @@ for name, group in (("all", None), ("g2", (2, 2)), ("g3", (3, 3))):
     assert not (tmp_path / "twice.gguf").exists()
 
 
-def test_fit_on_a_hybrid_writes_maps_for_every_late_layer_that_verify_and_the_engine_runs(texts, tmp_path):
-    # qwen35: Gated DeltaNet layers 0-2 and 4-6, attention 3 and 7; split 2 maps both kinds
+@pytest.mark.parametrize("arch", ["qwen35", "qwen3next"])
+def test_fit_on_a_hybrid_writes_maps_for_every_late_layer_that_verify_and_the_engine_runs(arch, texts, tmp_path):
+    # Gated DeltaNet layers 0-2 and 4-6, attention 3 and 7; split 2 maps both kinds
     import dataclasses
 
     from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
 
     require_builds("ridgefill")
     calib, held = texts
-    model = write_random_model(tmp_path / "qwen35.gguf", dataclasses.replace(tiny_shape("qwen35"), n_layer=8), seed=2)
+    model = write_random_model(tmp_path / f"{arch}.gguf", dataclasses.replace(tiny_shape(arch), n_layer=8), seed=2)
     out = tmp_path / "maps.gguf"
     code = f"""
 from pathlib import Path

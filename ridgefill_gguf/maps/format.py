@@ -119,7 +119,7 @@ def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
     tokens = g.fields.get("tokenizer.ggml.tokens")
     vocab = vocab_sha256(tokens[1]) if tokens else None
     recurrent, n_embd_s = (), None
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen3next"):
         interval = int(g.get(f"{arch}.full_attention_interval", 4))
         recurrent = tuple(il for il in range(int(n_layer)) if (il + 1) % interval != 0)
         state = int(g.get(f"{arch}.ssm.state_size"))
