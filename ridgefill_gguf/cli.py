@@ -161,6 +161,7 @@ def verify(maps: Path, model: Path) -> None:
         g = fmt.read_maps(maps)
         problems = fmt.check_maps(g, fingerprint)
         problems.errors += fmt.check_values(g)
+        problems.errors += fmt.check_checksum(g)
     except GGUFFormatError as e:
         click.echo(f"{maps}: {e}" if str(maps) not in str(e) else str(e))
         sys.exit(1)

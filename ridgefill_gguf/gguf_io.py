@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
     data_offset: int
     file_size: int
+    value_offsets: dict[str, int] = field(default_factory=dict)  # where each string value's bytes start
 
     def get(self, key: str, default: Any = None) -> Any:
         """A key's value with strings decoded (arrays as lists)."""
@@ -122,6 +123,7 @@ def _parse(path: Path, buf: mmap.mmap, size: int, skip_arrays: tuple[str, ...]) 
     if version not in (2, 3):
         raise GGUFFormatError(f"{path}: GGUF version {version} is not supported")
     fields: dict[str, RawField] = {}
+    value_offsets: dict[str, int] = {}
     for _ in range(n_kv):
         key = string().decode()
         vt = VT(take("I"))
@@ -139,6 +141,8 @@ def _parse(path: Path, buf: mmap.mmap, size: int, skip_arrays: tuple[str, ...]) 
                 fields[key] = (vt, [value(sub) for _ in range(n)], sub)
         else:
             fields[key] = (vt, value(vt), None)
+            if vt == VT.STRING:
+                value_offsets[key] = pos - len(fields[key][1])
     infos = []
     for _ in range(n_tensors):
         name = string().decode()
@@ -155,7 +159,7 @@ def _parse(path: Path, buf: mmap.mmap, size: int, skip_arrays: tuple[str, ...]) 
             raise GGUFFormatError(f"{path}: truncated: tensor '{name}' ends at byte {data_offset + rel + nbytes}, "
                                   f"the file has {size}")
         tensors[name] = TensorInfo(name, ne, qtype, data_offset + rel, nbytes)
-    return GGUFFile(path, version, fields, tensors, data_offset, size)
+    return GGUFFile(path, version, fields, tensors, data_offset, size, value_offsets)
 
 
 def tensor_f32(g: GGUFFile, name: str) -> np.ndarray:

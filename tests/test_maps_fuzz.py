@@ -137,3 +137,57 @@ print(json.dumps(result))
                 continue
             assert not check_values(g), f"{name}/{file} loaded with a non-finite value"
         assert stricter < 40, stricter
+
+
+def test_a_change_that_keeps_every_value_finite_is_found_by_the_tensor_data_checksum(good_maps, tmp_path):
+    from ridgefill_gguf.maps.format import DATA_SHA256, check_checksum
+
+    cases, _ = good_maps
+    model, maps = cases["dense"]
+    g = read_gguf(maps)
+    assert len(g.get(DATA_SHA256)) == 64 and not check_checksum(g)  # every writer seals what it writes
+    bad = tmp_path / "one-byte.gguf"
+    blob = bytearray(Path(maps).read_bytes())
+    w = g.tensors["blk.2.rf_map.weight"]
+    blob[w.offset + 40] ^= 0x01  # an int8 quant: still finite
+    bad.write_bytes(bytes(blob))
+    problems = check_checksum(read_gguf(bad))
+    assert problems and "do not match ridgefill.tensor_data_sha256" in problems[0]
+    require_builds("ridgefill")
+    code = f"""
+import os
+from ridgefill_gguf import libs
+from ridgefill_gguf.engine import bindings
+llama_cpp = libs.use_build("ridgefill")
+llm = llama_cpp.Llama(model_path={str(model)!r}, n_ctx=64, verbose=False)
+bindings.load_maps(llm.model, {str(bad)!r}).free()
+print("LOADED without the check")
+"""
+    assert "LOADED without the check" in run_py(code, "ridgefill").stdout
+    env_code = "import os; os.environ['LLAMA_RIDGEFILL_VERIFY_DATA'] = '1'\n" + code.replace(
+        'print("LOADED without the check")', "")
+    env_code = env_code.replace("bindings.load_maps(llm.model, " + repr(str(bad)) + ").free()", f"""
+try:
+    bindings.load_maps(llm.model, {str(bad)!r})
+except bindings.MapsRefused as e:
+    print("REFUSED", e)
+bindings.load_maps(llm.model, {str(maps)!r}).free()
+print("GOOD LOADED")""")
+    out = run_py(env_code, "ridgefill").stdout
+    assert "REFUSED" in out and "the tensor data do not match ridgefill.tensor_data_sha256" in out and "GOOD LOADED" in out
+
+
+def test_adding_a_frequency_table_keeps_a_hybrids_state_offsets_and_seals_the_new_file(good_maps, tmp_path):
+    from ridgefill_gguf.maps.format import check_checksum
+    from ridgefill_gguf.select.unigrams import with_token_freq
+
+    cases, _ = good_maps
+    model, maps = cases["hybrid"]
+    before = read_gguf(maps)
+    n_vocab = len(read_gguf(model).fields["tokenizer.ggml.tokens"][1])
+    out = with_token_freq(maps, np.ones(n_vocab, np.float32), tmp_path / "with-table.gguf")
+    after = read_gguf(out)
+    for il in (4, 5, 6):
+        name = f"blk.{il}.rf_state_delta"
+        assert np.array_equal(np.asarray(after.raw(name)), np.asarray(before.raw(name)))
+    assert "rf_token_freq" in after.tensors and not check_checksum(after)

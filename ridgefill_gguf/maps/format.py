@@ -53,6 +53,10 @@ def bias_name(layer: int) -> str:
 
 
 TOKEN_FREQ = "rf_token_freq"
+# sha256 over every tensor's bytes in the header's tensor order: a change that keeps every value finite cannot be
+# told from a fitted value, so the file carries this. Written as a placeholder, then sealed in place (seal).
+DATA_SHA256 = "ridgefill.tensor_data_sha256"
+DATA_SHA256_PLACEHOLDER = "0" * 64
 
 
 def state_delta_name(layer: int) -> str:
@@ -183,6 +187,7 @@ def write_maps(out: str | Path, meta: MapsMeta, plans: list[LayerPlan],
     try:
         w = GGUFWriter(tmp, meta.architecture, use_temp_file=False)
         _add_meta(w, meta)
+        w.add_string(DATA_SHA256, DATA_SHA256_PLACEHOLDER)
         for p in plans:
             w.add_tensor_info(weight_name(p.layer), _byte_shape(p), _info_dtype(p.weight_type),
                               tensor_nbytes((p.d_in, p.d_out), p.weight_type), raw_dtype=p.weight_type)
@@ -204,12 +209,57 @@ def write_maps(out: str | Path, meta: MapsMeta, plans: list[LayerPlan],
         if token_freq is not None:
             w.write_tensor_data(np.ascontiguousarray(token_freq, dtype=np.float32))
         w.close()
+        seal(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def tensor_data_sha256(g: GGUFFile) -> str:
+    """sha256 over every tensor's bytes, in the header's tensor order (padding left out)."""
+    h = hashlib.sha256()
+    with open(g.path, "rb") as f:
+        for info in g.tensors.values():
+            f.seek(info.offset)
+            left = info.nbytes
+            while left:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    raise ValueError(f"{g.path}: tensor {info.name} runs past the end of the file")
+                h.update(chunk)
+                left -= len(chunk)
+    return h.hexdigest()
+
+
+def seal(path: str | Path) -> str:
+    """Write the file's tensor-data checksum over its DATA_SHA256 placeholder, in place; returns it."""
+    g = read_gguf(path)
+    offset = g.value_offsets.get(DATA_SHA256)
+    if offset is None or len(g.fields[DATA_SHA256][1]) != len(DATA_SHA256_PLACEHOLDER):
+        raise ValueError(f"{path}: no {DATA_SHA256} placeholder to seal")
+    digest = tensor_data_sha256(g)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(digest.encode())
+    return digest
+
+
+def check_checksum(g: GGUFFile) -> list[str]:
+    """The tensor data against the checksum the file carries (none: a file written before it existed)."""
+    want = g.get(DATA_SHA256)
+    if want is None:
+        return []
+    try:
+        got = tensor_data_sha256(g)
+    except ValueError as e:
+        return [str(e)]
+    if got != want:
+        return [f"the tensor data do not match {DATA_SHA256} ({got[:12]}... against {want[:12]}...): the file "
+                "changed after it was written"]
+    return []
 
 
 def _info_dtype(qtype: QT) -> np.dtype:

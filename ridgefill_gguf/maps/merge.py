@@ -60,4 +60,12 @@ def merge(parts: list[str | Path], out: str | Path, force: bool = False,
         if any(not np.array_equal(t, present[0]) for t in present):
             raise MergeError(f"the parts disagree on {fmt.TOKEN_FREQ} (fitted on different calibration text?)")
         token_freq = present[0] if present and len(present) == len(tables) else None
-    return fmt.write_maps(out, meta, plans, produce, token_freq=token_freq, force=force)
+    # the terminal-state offsets of the parts' layers (a hybrid's), added after the maps
+    deltas = {int(name.split(".")[1]): np.asarray(g.raw(name)).view(np.float32).copy()
+              for g in files for name in g.tensors if name.endswith(".rf_state_delta")}
+    path = fmt.write_maps(out, meta, plans, produce, token_freq=token_freq, force=force)
+    if deltas:
+        from .state_delta import write_state_deltas
+
+        path = write_state_deltas(path, deltas, path)
+    return path

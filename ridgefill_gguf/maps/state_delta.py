@@ -16,7 +16,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from ..gguf_io import read_gguf, tensor_f32
 from ..util import write_atomic_with
-from .format import state_delta_name, weight_name, bias_name
+from .format import DATA_SHA256, DATA_SHA256_PLACEHOLDER, bias_name, seal, state_delta_name, weight_name
 
 
 def measure_state_deltas(model: str | Path, maps: str | Path, prompts: list[list[int]], every: int = 2048,
@@ -63,6 +63,8 @@ def write_state_deltas(maps: str | Path, deltas: dict[int, np.ndarray], out: str
 
     def write(tmp: Path) -> None:
         w = GGUFWriter(str(tmp), arch=r.fields["general.architecture"].contents())
+        if DATA_SHA256 not in r.fields:
+            w.add_string(DATA_SHA256, DATA_SHA256_PLACEHOLDER)
         for f in r.fields.values():
             if f.name.startswith("GGUF.") or f.name == "general.architecture":
                 continue
@@ -79,5 +81,6 @@ def write_state_deltas(maps: str | Path, deltas: dict[int, np.ndarray], out: str
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        seal(tmp)
 
     return write_atomic_with(Path(out), write)
