@@ -443,6 +443,12 @@ def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cel
         off = srv.get("/props").get("ridgefill")
     assert props == {**props, "maps": str(maps), "placement": "resident", "tail": 64, "min_prefix": 0,
                      "select": "probe", "budget": 1.5, "reuse": "exact-only", "whole_numbers": True}
+    # what was loaded, read from the file: its split, layers and the checksum that identifies it
+    from ridgefill_gguf.gguf_io import read_gguf
+
+    assert props["attached"] is True
+    assert props["loaded"] == {"file": str(maps), "split": 1, "layers": 2, "state_delta_layers": 0,
+                               "tensor_data_sha256": read_gguf(maps).get("ridgefill.tensor_data_sha256")}
     assert before == -1 and after >= 1 and stock == -1  # the stock prefill (no cache) left only exact cells
     assert off is None
 
