@@ -316,3 +316,18 @@ def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed
                  ("stock", "ridge")):
         assert np.abs(arrays[a] - arrays[b]).max() > 1e-4, (a, b)
     assert stats["probe"]["n_probe_exact"] == 10 and stats["corrected"]["n_state_corrected"] == 3
+
+
+def test_a_sequence_beyond_the_recurrent_memory_is_refused_by_name(hybrid):
+    require_builds("ridgefill")
+    model, maps, _, _, tokens = hybrid
+    code = f"""
+from ridgefill_gguf import libs
+from ridgefill_gguf.engine.session import Session
+libs.use_build("ridgefill")
+s = Session({str(model)!r}, n_ctx=512, n_batch=64, n_ubatch=32, n_threads=2, maps={str(maps)!r})
+s.bindings.configure(s.ctx, tail={TAIL}, min_prefix=0)
+print("APPLIED", s.bindings.prefill(s.ctx, {tokens!r}, seq=3), s.bindings.not_applied_reason())
+"""
+    out = run_py(code, "ridgefill").stdout
+    assert "APPLIED False sequence 3 is beyond the recurrent memory's 1 sequences" in out, out[-2000:]
