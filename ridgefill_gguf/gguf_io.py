@@ -174,3 +174,29 @@ def tensor_f32(g: GGUFFile, name: str) -> np.ndarray:
         rows = int(np.prod(info.ne[1:])) if len(info.ne) > 1 else 1
         arr = dequantize(np.asarray(raw).reshape(rows, -1), info.type)
     return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed(info.ne)))
+
+
+def writer_like(src: str | Path, out: str | Path, arch: str | None = None):
+    """(a gguf-py GGUFWriter on out holding src's key/values, src's GGUFReader): keys under src's architecture move
+    to `arch` when given. Add tensors (copy_tensors for src's own), then write as usual."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    old = r.fields["general.architecture"].contents()
+    arch = arch or old
+    w = GGUFWriter(str(out), arch=arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        name = arch + f.name[len(old):] if f.name.startswith(old + ".") else f.name
+        w.add_key_value(name, f.contents(), f.types[0],
+                        sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+    return w, r
+
+
+def copy_tensors(r, w, keep=lambda name: True) -> None:
+    """The tensors of reader r that keep(name) accepts, into writer w, bytes unchanged."""
+    for t in r.tensors:
+        if keep(t.name):
+            data = np.asarray(t.data)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)

@@ -111,6 +111,12 @@ class ModelShape:
     def ssm_d_inner(self) -> int:
         return self.head_v_dim * self.ssm_dt_rank
 
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """A Gated DeltaNet layer's recurrent state in NumPy order ([n_v_heads, head_v_dim, head_k_dim]), as
+        llama.cpp lays it out and blk.N.rf_state_delta holds it."""
+        return (self.ssm_dt_rank, self.head_v_dim, self.ssm_d_state)
+
     def is_recurrent(self, il: int) -> bool:
         return self.arch in HYBRID_ARCHS and (il + 1) % self.full_attention_interval != 0
 

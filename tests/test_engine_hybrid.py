@@ -296,7 +296,7 @@ def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed
     require_builds("ridgefill")
     model, maps, tokens = next_hybrid
     shape = dataclasses.replace(tiny_shape("qwen3next"), n_layer=N_LAYER)
-    state = (shape.ssm_dt_rank, shape.head_v_dim, shape.ssm_d_state)
+    state = shape.recurrent_state_shape
     corrected = write_state_deltas(maps, {il: np.full(state, 0.05, np.float32) for il in (4, 5, 6)},
                                    tmp_path / "corrected.gguf")
     runs = [{"name": "stock", "stock": True}, {"name": "ridge", "params": base()},

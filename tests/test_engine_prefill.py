@@ -332,20 +332,10 @@ def test_a_prompt_too_short_for_ridgefill_takes_the_stock_path_untouched(deep_ti
 def as_architecture(src, dst, arch: str):
     """A copy of a GGUF under another architecture's name (its keys renamed), e.g. a llama model as smollm3, whose
     loader reads the same keys and tensors."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from ridgefill_gguf.gguf_io import copy_tensors, writer_like
 
-    r = GGUFReader(src)
-    old = r.fields["general.architecture"].contents()
-    w = GGUFWriter(str(dst), arch=arch)
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        name = arch + f.name[len(old):] if f.name.startswith(old + ".") else f.name
-        w.add_key_value(name, f.contents(), f.types[0],
-                        sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        data = np.asarray(t.data)
-        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w, r = writer_like(src, dst, arch)
+    copy_tensors(r, w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

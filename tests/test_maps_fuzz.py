@@ -58,7 +58,7 @@ def good_maps(tmp_path_factory):
     model = write_random_model(d / "qwen35.gguf", shape, seed=3)
     src = write_float_file(d / "h.safetensors", 2, list(range(3, 8)), shape.n_embd, dtype="f32", seed=4)
     maps = convert(src, d / "h.plain.gguf", model=model, outtype="f32").out
-    state = (shape.ssm_dt_rank, shape.head_v_dim, shape.ssm_d_state)
+    state = shape.recurrent_state_shape
     deltas = {il: np.random.default_rng(il).normal(0, 0.1, state).astype(np.float32) for il in (4, 5, 6)}
     out["hybrid"] = (model, write_state_deltas(maps, deltas, d / "h.maps.gguf"))
     return out, d

@@ -511,7 +511,7 @@ def test_the_terminal_state_correction_is_set_per_server_and_per_request_and_cou
     require_builds("ridgefill")
     model, maps, d = hybrid_and_maps
     shape = dataclasses.replace(tiny_shape("qwen35"), n_layer=8)
-    state = (shape.ssm_dt_rank, shape.head_v_dim, shape.ssm_d_state)
+    state = shape.recurrent_state_shape
     corrected = write_state_deltas(maps, {il: np.full(state, 0.01, np.float32) for il in (4, 5, 6)},
                                    d / "corrected.gguf")
     with Server(model, corrected, tail=64, min_prefix=0, threads=2, log_path=d / "state-off.log") as srv:

@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-from ..gguf_io import read_gguf, tensor_f32
+from ..gguf_io import copy_tensors, read_gguf, tensor_f32, writer_like
 from ..util import write_atomic_with
 from .format import DATA_SHA256, DATA_SHA256_PLACEHOLDER, bias_name, seal, state_delta_name, weight_name
 
@@ -59,22 +57,11 @@ def measure_state_deltas(model: str | Path, maps: str | Path, prompts: list[list
 
 def write_state_deltas(maps: str | Path, deltas: dict[int, np.ndarray], out: str | Path) -> Path:
     """A copy of the maps GGUF with these offsets (replacing any it had), written atomically."""
-    r = GGUFReader(str(maps))
-
     def write(tmp: Path) -> None:
-        w = GGUFWriter(str(tmp), arch=r.fields["general.architecture"].contents())
+        w, r = writer_like(maps, tmp)
         if DATA_SHA256 not in r.fields:
             w.add_string(DATA_SHA256, DATA_SHA256_PLACEHOLDER)
-        for f in r.fields.values():
-            if f.name.startswith("GGUF.") or f.name == "general.architecture":
-                continue
-            w.add_key_value(f.name, f.contents(), f.types[0],
-                            sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
-        names = {state_delta_name(il) for il in deltas}
-        for t in r.tensors:
-            if t.name not in names and not t.name.endswith(".rf_state_delta"):
-                data = np.asarray(t.data)
-                w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+        copy_tensors(r, w, keep=lambda name: not name.endswith(".rf_state_delta"))  # the offsets are replaced
         for il in sorted(deltas):
             w.add_tensor(state_delta_name(il), np.ascontiguousarray(deltas[il], dtype=np.float32))
         w.write_header_to_file()
