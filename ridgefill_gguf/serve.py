@@ -39,10 +39,10 @@ def server_args(model: str | Path, maps: str | Path | None = None, *, tail: int 
                 placement: str = "resident", fill: str = "ridge", min_prefix: int | None = None,
                 select: str | None = None, exact_share: float | None = None, budget: float | None = None,
                 n_ctx: int | None = None, host: str = "127.0.0.1", port: int = 8080, threads: int | None = None,
-                n_gpu_layers: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+                n_gpu_layers: int | None = None, slots: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
     n_ctx = n_ctx or min(model_context(model), DEFAULT_MAX_CTX)
-    # one slot: RidgeFill prefills one sequence, and the slot gets the whole context
-    args = ["-m", str(model), "-c", str(n_ctx), "-np", "1", "--host", host, "--port", str(port)]
+    # one slot by default, which gets the whole context
+    args = ["-m", str(model), "-c", str(n_ctx), "-np", str(slots), "--host", host, "--port", str(port)]
     if maps:
         args += ["--ridgefill", str(maps), "--ridgefill-maps", placement, "--ridgefill-fill", fill]
         if tail is not None:

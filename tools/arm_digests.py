@@ -26,6 +26,12 @@ sys.path.insert(0, str(ROOT))
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SPLIT = 1
+# the hybrids: 8 layers (DeltaNet 0-2 and 4-6, attention 3 and 7) with slow decay, split 2, so both kinds are late;
+# the arms their engine serves (the attention selector and the blind controls are the dense engine's)
+HYBRIDS = ("qwen35", "qwen3next")
+HYBRID_SPLIT, HYBRID_LAYERS = 2, 8
+HYBRID_ARMS = ("ridge", "identity", "none", "plumb", "oracle", "listed_rows", "random_rows", "probe", "budget",
+               "budget_no_whole_numbers", "random_budget", "protected", "rescale", "rescale_probe")
 PROMPT = ("RidgeFill predicts the input of every late layer from the split layer's state, and the layer only "
           "writes its cache from that prediction. Order 48213 ships with code 7719-0042 on 2026-12-02. ") * 5 + \
          "Question: which code ships with order 48213?"
@@ -67,8 +73,34 @@ def make_models(folder: Path) -> dict[str, tuple[Path, Path]]:
     return out
 
 
-def runs_for(placement: str) -> list[dict]:
+def make_hybrids(folder: Path) -> dict[str, tuple[Path, Path]]:
+    from ridgefill_gguf.maps import format as fmt
+    from ridgefill_gguf.maps.convert import convert
+    from ridgefill_gguf.maps.merge import merge
+    from ridgefill_gguf.maps.synthetic import write_float_file
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_reference_hybrid import long_memory_copy
+
+    out = {}
+    for arch in HYBRIDS:
+        shape = dataclasses.replace(tiny_shape(arch), n_layer=HYBRID_LAYERS)
+        model = long_memory_copy(write_random_model(folder / f"{arch}-stock.gguf", shape, seed=3),
+                                 folder / f"{arch}.gguf")
+        src = write_float_file(folder / f"{arch}.safetensors", HYBRID_SPLIT,
+                               list(range(HYBRID_SPLIT + 1, HYBRID_LAYERS)), shape.n_embd, dtype="f32", seed=4)
+        maps = convert(src, folder / f"{arch}.maps.gguf", model=model, outtype="f32").out
+        n_vocab = fmt.model_fingerprint(model).n_vocab
+        freq = 1.0 + (np.arange(n_vocab) % 97).astype(np.float32)
+        out[arch] = (model, merge([maps], folder / f"{arch}.maps-freq.gguf", token_freq=freq))
+    return out
+
+
+def runs_for(placement: str, hybrid: bool = False) -> list[dict]:
     names = ARMS if placement == "resident" else {k: ARMS[k] for k in STREAMED_ARMS}
+    if hybrid:
+        names = {k: v for k, v in names.items() if k in HYBRID_ARMS}
     runs = [{"name": "stock", "stock": True}] if placement == "resident" else []
     runs += [{"name": n, "params": {**DEFAULTS, **p}} for n, p in names.items()]
     if placement == "resident":
@@ -76,8 +108,8 @@ def runs_for(placement: str) -> list[dict]:
     return runs
 
 
-def run_one(model: Path, maps: Path, flash: bool, placement: str, tmp: Path) -> dict[str, dict]:
-    spec = {"model": str(model), "n_ctx": 512, "prompt": PROMPT, "runs": runs_for(placement),
+def run_one(model: Path, maps: Path, flash: bool, placement: str, tmp: Path, hybrid: bool = False) -> dict[str, dict]:
+    spec = {"model": str(model), "n_ctx": 512, "prompt": PROMPT, "runs": runs_for(placement, hybrid),
             "session": {"n_batch": 64, "n_ubatch": 32, "n_threads": 2, "maps": str(maps), "placement": placement,
                         "flash_attn": flash}}
     spec_file, out = tmp / "spec.json", tmp / "out.npz"
@@ -103,16 +135,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", type=Path, required=True, help="JSON of digests to write")
     ap.add_argument("--compare", type=Path, help="digests of the commit before: exit 1 where any differs")
+    ap.add_argument("--hybrids", action="store_true", help="the hybrids' arms too (qwen35, qwen3next)")
     args = ap.parse_args()
     digests = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        models = make_models(tmp)
-        for arch, (model, maps) in models.items():
+        models = {a: (m, x, False) for a, (m, x) in make_models(tmp).items()}
+        if args.hybrids:
+            models.update({a: (m, x, True) for a, (m, x) in make_hybrids(tmp).items()})
+        for arch, (model, maps, hybrid) in models.items():
             for flash in (False, True):
                 for placement in ("resident", "streamed"):
                     key = f"{arch}|flash={'on' if flash else 'off'}|{placement}"
-                    digests[key] = run_one(model, maps, flash, placement, tmp)
+                    digests[key] = run_one(model, maps, flash, placement, tmp, hybrid)
                     print(f"{key}: {len(digests[key])} arms", flush=True)
     n = sum(len(v) for v in digests.values())
     not_applied = [f"{k}|{a}" for k, v in digests.items() for a, r in v.items() if a != "stock" and r["applied"] != 1]
@@ -127,7 +162,8 @@ def main() -> int:
         before = json.loads(args.compare.read_text())["digests"]
         moved = [f"{k}|{a}" for k, v in digests.items() for a, r in v.items()
                  if before.get(k, {}).get(a, {}).get("sha256") != r["sha256"]]
-        missing = [f"{k}|{a}" for k, v in before.items() for a in v if a not in digests.get(k, {})]
+        missing = [f"{k}|{a}" for k, v in before.items() for a in v
+                   if a not in digests.get(k, {}) and (args.hybrids or k.split("|")[0] not in HYBRIDS)]
         if moved or missing:
             print(f"arm_digests: {len(moved)} arms moved: {', '.join(moved)}" +
                   (f"; missing: {', '.join(missing)}" if missing else ""))

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 9
+API_VERSION = 10
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -61,7 +61,14 @@ _SIGNATURES = {
     "llama_ridgefill_maps_has_unigrams": (ctypes.c_bool, [ctypes.c_void_p]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                  ctypes.c_int32, ctypes.c_int32]),
+    "llama_ridgefill_prefill_begin": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                                                       ctypes.c_int32, ctypes.c_int32]),
+    "llama_ridgefill_prefill_step": (ctypes.c_int32, [ctypes.c_void_p]),
+    "llama_ridgefill_prefill_cancel": (None, [ctypes.c_void_p]),
+    "llama_ridgefill_prefill_active": (ctypes.c_int32, [ctypes.c_void_p]),
 }
+# llama_ridgefill_prefill_step's answers besides failure
+STEP_DONE, STEP_YIELD, STEP_HOLD = 0, 1, 2
 
 PLACEMENTS = {"resident": 0, "streamed": 1}
 # llama_ridgefill_select_rows's rules
@@ -266,6 +273,34 @@ def prefill(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0) -> bo
     if rc < 0:
         raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
     return rc == 0
+
+
+def prefill_steps(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0):
+    """The same prefill in steps: yields after each step whether other sequences may decode on the context before
+    the next (True) or not (False, a hybrid's late layers). Returns False at once when the request did not qualify
+    (nothing was done), True when done; raises PrefillError on failure. Closing the generator early cancels it."""
+    lib = _prefill_lib()
+    arr = (ctypes.c_int32 * len(tokens))(*tokens)
+    rc = lib.llama_ridgefill_prefill_begin(ctx, seq, arr, len(tokens), n_following)
+    if rc < 0:
+        raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
+    if rc == 1:
+        return False
+    try:
+        while True:
+            rc = lib.llama_ridgefill_prefill_step(ctx)
+            if rc < 0:
+                raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
+            if rc == STEP_DONE:
+                return True
+            yield rc == STEP_YIELD
+    finally:
+        lib.llama_ridgefill_prefill_cancel(ctx)  # a no-op once done
+
+
+def prefill_active(ctx) -> int:
+    """The sequence of the prefill in flight on ctx, -1 when there is none."""
+    return _prefill_lib().llama_ridgefill_prefill_active(ctx)
 
 
 def select_rows(model, maps: LoadedMaps | None, tokens: list[int], n_prefix: int, rule: str) -> list[int]:

@@ -20,7 +20,8 @@ import numpy as np
 class Session:
     def __init__(self, model: str | Path, *, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512,
                  flash_attn: bool = False, f32_cache: bool = False, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, maps: str | Path | None = None, placement: str = "resident"):
+                 n_gpu_layers: int = 0, maps: str | Path | None = None, placement: str = "resident",
+                 n_seq_max: int = 1, kv_unified: bool = False):
         from .. import libs
         from . import bindings
 
@@ -31,6 +32,14 @@ class Session:
                                         flash_attn=flash_attn, n_threads=n_threads, n_threads_batch=n_threads,
                                         n_gpu_layers=n_gpu_layers, verbose=False, **kv)
         self.ctx, self.n_batch = self.llm.ctx, n_batch
+        self._own_ctx = None
+        if n_seq_max > 1:  # the Llama class opens one sequence: a context of several, as llama-server's slots
+            cp = self.llm.context_params
+            cp.n_seq_max, cp.kv_unified = n_seq_max, kv_unified
+            self._own_ctx = self.lc.llama_init_from_model(self.llm.model, cp)
+            if not self._own_ctx:
+                raise RuntimeError(f"could not open a context of {n_seq_max} sequences")
+            self.ctx = self._own_ctx
         self.vocab = self.lc.llama_model_get_vocab(self.llm.model)
         self.n_vocab = self.lc.llama_vocab_n_tokens(self.vocab)
         self.bindings = bindings
@@ -97,14 +106,14 @@ class Session:
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=add_bos, special=special)
 
-    def _decode(self, tokens: list[int], pos0: int, want: str | None = None) -> None:
+    def _decode(self, tokens: list[int], pos0: int, want: str | None = None, seq: int = 0) -> None:
         """One llama_decode; logits for no row, the last row (want="last") or every row (want="all")."""
         lc, n = self.lc, len(tokens)
         batch = lc.llama_batch_init(n, 0, 1)
         try:
             for i, t in enumerate(tokens):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
-                batch.seq_id[i][0] = 0
+                batch.seq_id[i][0] = seq
                 batch.logits[i] = int(want == "all" or (want == "last" and i == n - 1))
             batch.n_tokens = n
             rc = lc.llama_decode(self.ctx, batch)
@@ -206,6 +215,9 @@ class Session:
                 maps.free()
             self._loaded.clear()
             self.maps = None
+        if self._own_ctx:
+            self.lc.llama_free(self._own_ctx)
+            self._own_ctx = None
         self.llm.close()
 
 

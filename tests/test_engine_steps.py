@@ -1,0 +1,175 @@
+"""The RidgeFill prefill in steps (llama_ridgefill_prefill_begin/_step/_cancel), as llama-server runs it while other
+users decode on the same context: another sequence's decode steps between its late-layer steps change no byte of
+either sequence, between its sweep-one batches only the cells' order (float noise), a cancelled prefill leaves
+nothing behind, and a hybrid holds the context through its late layers."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from conftest import require_builds, run_py
+
+PARAMS = {"tail": 40, "fill": "ridge", "exact_rows": [], "chunk": 48, "min_prefix": 0, "probe": [16, 8]}
+
+SCRIPT = r'''
+import json, math, sys
+import numpy as np
+from ridgefill_gguf.engine.session import Session
+from ridgefill_gguf.engine import bindings as B
+
+cfg = json.loads(sys.argv[1])
+S = Session(cfg["model"], n_ctx=1024, n_batch=64, n_ubatch=32, n_threads=2, maps=cfg["maps"], n_seq_max=2,
+            kv_unified=cfg["unified"])
+rng = np.random.default_rng(0)
+mine = [int(t) for t in rng.integers(1000, 5000, 300)]
+other_prompt = [int(t) for t in rng.integers(1000, 5000, 80)]
+other_tokens = [int(t) for t in rng.integers(1000, 5000, 8)]
+sweep_one_steps = math.ceil((len(mine) - 1) / 64)
+lc = S.lc
+
+def pos_max(seq):
+    return lc.llama_memory_seq_pos_max(lc.llama_get_memory(S.ctx), seq)
+
+def other_prefill():
+    for i in range(0, len(other_prompt), 64):
+        S._decode(other_prompt[i:i + 64], i, seq=1)
+
+def run(interleave):
+    """seq 1 holds a prompt and decodes its tokens one per yield (none: all after the prefill)."""
+    S.clear()
+    other_prefill()
+    other, yields = [], []
+    def other_step():
+        S._decode([other_tokens[len(other)]], len(other_prompt) + len(other), "last", seq=1)
+        other.append(S._last_logits())
+    B.configure(S.ctx, **cfg["params"])
+    gen = B.prefill_steps(S.ctx, mine[:-1], seq=0, n_following=1)
+    while True:
+        try:
+            may = next(gen)
+        except StopIteration as stop:
+            assert stop.value is True, "RidgeFill did not apply"
+            break
+        yields.append(bool(may))
+        if interleave == "probe_refused" and len(yields) == 2:
+            try:
+                B.configure(S.ctx, **cfg["params"])
+            except Exception as e:
+                refused = str(e)
+            else:
+                refused = ""
+        late = len(yields) >= sweep_one_steps
+        if may and len(other) < len(other_tokens) and (interleave == "all" or (interleave == "late" and late)):
+            other_step()
+    n_during = len(other)
+    st = B.stats(S.ctx)
+    while len(other) < len(other_tokens):
+        other_step()
+    S._decode(mine[-1:], len(mine) - 1, "last", seq=0)
+    out = {"yields": yields, "during": n_during, "exact": st["n_exact"], "filled": st["n_filled"],
+           "applied": st["applied"], "exact_rows": B.exact_rows(S.ctx)}
+    if interleave == "probe_refused":
+        out["refused"] = refused
+    return S._last_logits(), np.stack(other), out
+
+res = {}
+arrays = {}
+for arm in ("none", "late", "all", "probe_refused"):
+    m, o, info = run(arm)
+    arrays[arm + "_mine"], arrays[arm + "_other"] = m, o
+    res[arm] = info
+
+# cancelled after two steps: nothing of seq 0 stays, seq 1 untouched, and the next prefill gives the same bytes
+S.clear()
+other_prefill()
+B.configure(S.ctx, **cfg["params"])
+gen = B.prefill_steps(S.ctx, mine[:-1], seq=0, n_following=1)
+next(gen); next(gen)
+active = B.prefill_active(S.ctx)
+gen.close()
+res["cancel"] = {"active_during": active, "active_after": B.prefill_active(S.ctx), "pos_max_0": pos_max(0),
+                 "pos_max_1": pos_max(1)}
+m, o, info = run("none")
+arrays["after_cancel_mine"] = m
+np.savez(cfg["out"], **arrays)
+print("RESULT " + json.dumps(res))
+'''
+
+
+@pytest.fixture(scope="module")
+def llama_with_maps(tmp_path_factory):
+    from ridgefill_gguf.maps.convert import convert
+    from ridgefill_gguf.maps.synthetic import write_float_file
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    d = tmp_path_factory.mktemp("engine-steps")
+    shape = dataclasses.replace(tiny_shape("llama"), n_layer=4)
+    model = write_random_model(d / "llama.gguf", shape, seed=3)
+    src = write_float_file(d / "maps.safetensors", 1, [2, 3], shape.n_embd, dtype="f32", seed=4)
+    return model, convert(src, d / "maps.gguf", model=model, outtype="f32").out
+
+
+def run_steps(model, maps, unified, tmp_path, params=PARAMS):
+    out = tmp_path / f"steps-{unified}.npz"
+    cfg = {"model": str(model), "maps": str(maps), "unified": unified, "params": params, "out": str(out)}
+    code = SCRIPT.replace("cfg = json.loads(sys.argv[1])", f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
+    proc = run_py(code, build="ridgefill")
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    with np.load(out) as data:
+        return json.loads(line[len("RESULT "):]), {k: data[k] for k in data.files}
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["separate-kv", "unified-kv"])
+def test_other_sequences_decoding_between_the_late_steps_change_no_byte_of_either(unified, llama_with_maps, tmp_path):
+    require_builds("ridgefill")
+    res, a = run_steps(*llama_with_maps, unified, tmp_path)
+    assert res["none"]["applied"] == 1 and res["late"]["applied"] == 1
+    assert res["late"]["during"] >= 4, res["late"]  # the other user got tokens while the prefill ran
+    assert all(res["late"]["yields"]), res["late"]["yields"]  # a dense prefill may always yield
+    assert res["late"]["exact_rows"] == res["none"]["exact_rows"] and res["late"]["exact"] > 0
+    assert a["late_mine"].tobytes() == a["none_mine"].tobytes()
+    assert a["late_other"].tobytes() == a["none_other"].tobytes()
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["separate-kv", "unified-kv"])
+def test_decoding_between_sweep_one_batches_moves_only_the_cells_order(unified, llama_with_maps, tmp_path):
+    require_builds("ridgefill")
+    res, a = run_steps(*llama_with_maps, unified, tmp_path)
+    assert res["all"]["during"] == 8 and res["all"]["applied"] == 1
+    scale = np.abs(a["none_mine"]).max()
+    assert np.abs(a["all_mine"] - a["none_mine"]).max() <= 1e-4 * scale
+    assert np.abs(a["all_other"] - a["none_other"]).max() <= 1e-4 * np.abs(a["none_other"]).max()
+    assert int(np.argmax(a["all_mine"])) == int(np.argmax(a["none_mine"]))
+
+
+def test_a_cancelled_prefill_leaves_no_rows_and_parameters_wait_for_the_prefill_in_flight(llama_with_maps, tmp_path):
+    require_builds("ridgefill")
+    res, a = run_steps(*llama_with_maps, False, tmp_path)
+    c = res["cancel"]
+    assert c["active_during"] == 0 and c["active_after"] == -1
+    assert c["pos_max_0"] == -1 and c["pos_max_1"] == 79  # seq 0's rows gone, seq 1's prompt kept
+    assert a["after_cancel_mine"].tobytes() == a["none_mine"].tobytes()
+    assert "in flight" in res["probe_refused"]["refused"], res["probe_refused"]
+
+
+def test_a_hybrid_yields_in_sweep_one_and_holds_the_context_through_its_late_layers(tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.maps.convert import convert
+    from ridgefill_gguf.maps.synthetic import write_float_file
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    shape = dataclasses.replace(tiny_shape("qwen35"), n_layer=8)
+    model = write_random_model(tmp_path / "qwen35.gguf", shape, seed=3)
+    src = write_float_file(tmp_path / "maps.safetensors", 2, list(range(3, 8)), shape.n_embd, dtype="f32", seed=4)
+    maps = convert(src, tmp_path / "maps.gguf", model=model, outtype="f32").out
+    res, a = run_steps(model, maps, False, tmp_path, params={**PARAMS, "probe": [0, 0]})
+    y = res["all"]["yields"]
+    n_sweep = -(-299 // 64)
+    assert y[:n_sweep - 1] == [True] * (n_sweep - 1) and not any(y[n_sweep - 1:]), y
+    assert res["all"]["during"] == n_sweep - 1  # the other user's tokens came only between sweep one's batches
+    scale = np.abs(a["none_mine"]).max()
+    assert np.abs(a["all_mine"] - a["none_mine"]).max() <= 1e-4 * scale
+    assert np.abs(a["all_other"] - a["none_other"]).max() <= 1e-4 * np.abs(a["none_other"]).max()

@@ -1,0 +1,82 @@
+"""llama-server keeps serving the other users while a RidgeFill prefill runs: the prefill runs in steps between the
+other slots' batches, so a user streaming tokens in another slot waits no longer than under a stock prefill of the
+same prompt (SmolLM2, 2 slots, CPU, bounded), and a request cancelled in the middle of its RidgeFill prefill
+leaves the server serving."""
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+
+from conftest import require_builds
+from ridgefill_gguf.maps.convert import convert
+from ridgefill_gguf.maps.synthetic import write_float_file
+from ridgefill_gguf.models import model_path
+from ridgefill_gguf.serve import Server
+from ridgefill_gguf.serving import one_cell
+
+SPLIT, N_LAYER, N_EMBD = 15, 30, 576
+
+
+@pytest.fixture(scope="module")
+def smollm2_with_maps(tmp_path_factory):
+    model = model_path("smollm2-135m")
+    if not model.exists():
+        pytest.skip(f"{model} is not there (make default-model)")
+    d = tmp_path_factory.mktemp("sharing")
+    # random maps: the schedule's cost, not its quality, is under test
+    src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), N_EMBD, dtype="f16",
+                           seed=1)
+    return model, convert(src, d / "maps.gguf", model=model).out, d
+
+
+def two_slot_server(model, maps, log_path) -> Server:
+    """Plain RidgeFill (no selector), tail 256, batches of 512, two slots of 2,560 cells."""
+    extra = ("-b", "512", "-ub", "512", "--ridgefill-select", "none")
+    return Server(model, maps, tail=256, min_prefix=0, threads=2, slots=2, n_ctx=2 * 2560, extra=extra,
+                  log_path=log_path)
+
+
+def prompt_tokens(n: int) -> list[int]:
+    return [1] + [1000 + (i * 7919) % 40000 for i in range(n - 1)]
+
+
+def test_another_user_streaming_waits_no_longer_during_a_ridgefill_prefill_than_during_a_stock_one(
+        smollm2_with_maps):
+    require_builds("ridgefill")
+    model, maps, d = smollm2_with_maps
+    with two_slot_server(model, maps, d / "sharing.log") as srv:
+        prompt = prompt_tokens(2300)
+        cells = [one_cell(srv, prompt, 2, rf, others_prompt=prompt_tokens(16)) for rf in (False, True)]
+    stock, rf = cells
+    assert not stock["errors"] and not rf["errors"], cells
+    assert stock["rf"] is None and rf["rf"]["filled"] > 0 and rf["rf"]["slices"] > 1, rf["rf"]
+    assert rf["others_tokens_during"] >= 2, rf  # the other user got tokens while the prefill ran
+    assert rf["stall_max_s"] <= stock["stall_max_s"], (rf["stall_max_s"], stock["stall_max_s"])
+
+
+def test_a_request_cancelled_in_the_middle_of_its_ridgefill_prefill_leaves_the_server_serving(smollm2_with_maps):
+    require_builds("ridgefill")
+    model, maps, d = smollm2_with_maps
+    with two_slot_server(model, maps, d / "cancel.log") as srv:
+        prompt = prompt_tokens(2300)
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
+        conn.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": 4, "stream": True,
+                                                        "cache_prompt": False}), {"Content-Type": "application/json"})
+        conn.getresponse()  # the headers come before the prefill
+        deadline = time.monotonic() + 60
+        while "RidgeFill prefill of 2299 rows begun" not in srv.log_tail(200000) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        conn.close()  # the client goes away in the middle of the prefill
+        deadline = time.monotonic() + 60
+        while "RidgeFill prefill cancelled" not in srv.log_tail(200000) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = srv.complete(prompt, n_predict=2)
+        slots = srv.get("/slots")
+    log = (d / "cancel.log").read_text()
+    assert "RidgeFill prefill cancelled" in log and "RidgeFill prefill: 2299 rows" in log, log[-3000:]
+    assert log.index("RidgeFill prefill cancelled") < log.index("RidgeFill prefill: 2299 rows")  # the second one ran it all
+    assert after["timings"]["ridgefill"]["filled"] > 0 and after["tokens_predicted"] == 2
+    assert all(not s["is_processing"] for s in slots)
