@@ -468,6 +468,39 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
     click.echo("wrote " + ", ".join(result["files"]))
 
 
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--lengths", "--tokens", "lengths", default="8k", show_default=True,
+              help="the long request's prompt lengths, comma-separated (16k = 16384)")
+@click.option("--users", default="2,4", show_default=True, help="users counted with the new one, comma-separated")
+@click.option("--kv", "kv_modes", multiple=True, type=click.Choice(["unified", "separate"]),
+              help="repeatable (default: both)")
+@click.option("--yield-ms", "yields", default="0", show_default=True,
+              help="--ridgefill-yield-ms settings to compare, comma-separated")
+@click.option("--tail", default=1024, show_default=True)
+@click.option("--select", default="probe", show_default=True, type=click.Choice(["probe", "none", "attention"]))
+@click.option("--repeats", default=1, show_default=True, help="measured cells per arm, after one warm-up")
+@click.option("-ngl", "--n-gpu-layers", type=int, default=None)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/serving"),
+              show_default=True)
+@click.option("--label", default=None, help="names the result files (default: the model's file name)")
+def serving(model, maps, lengths, users, kv_modes, yields, tail, select, repeats, n_gpu_layers, threads, out_dir,
+            label) -> None:
+    """Other users during a long prefill: one long request arrives while the others stream tokens, stock against
+    RidgeFill in one server; their worst and p99 stall, ITL and throughput, and its TTFT. JSON, Markdown, PNG."""
+    from .serving import run_serving
+
+    result = run_serving(model, maps, list(_ints(lengths, "--lengths")), list(_ints(users, "--users")),
+                         kv_modes=tuple(kv_modes) or ("unified", "separate"),
+                         yield_ms=_yield_settings(yields), reps=repeats, tail=tail, select=select,
+                         n_gpu_layers=n_gpu_layers, threads=threads, out_dir=out_dir,
+                         label=label or Path(model).stem, log=click.echo)
+    click.echo(Path(result["files"][1]).read_text())
+    click.echo("wrote " + ", ".join(result["files"]))
+
+
 @main.group("eval")
 def eval_group() -> None:
     """The paper's quality instruments, paired against exact (`docs/eval.md`)."""
@@ -571,6 +604,17 @@ def _arms(arms: str, selectors: bool = False, follows: bool = False) -> tuple[st
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--arms") from None
     return arm_list
+
+
+def _yield_settings(text: str) -> tuple[int, ...]:
+    """--ridgefill-yield-ms values, comma-separated: 0 or more, or -1 (never yield)."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--yield-ms") from None
+    if not values or min(values) < -1:
+        raise click.BadParameter(f"'{text}': give values of -1 or more", param_hint="--yield-ms")
+    return values
 
 
 def _ints(text: str, hint: str) -> tuple[int, ...]:

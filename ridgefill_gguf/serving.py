@@ -181,4 +181,33 @@ def run_serving(model, maps, lengths: list[int], users: list[int], *, kv_modes=(
             part = [r for r in rows if r["tokens"] == n and r["yield_ms"] == ym]
             md.append(markdown(part, f"## {n} tokens, --ridgefill-yield-ms {ym}"))
     write_atomic(stem.with_suffix(".md"), f"# Mixed serving: {label}\n\n`{result['command']}`\n\n" + "\n".join(md))
-    return {"files": [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))], "summary": rows}
+    files = [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
+    try:
+        plot_stalls(rows, stem.with_suffix(".png"), label)
+        files.append(str(stem.with_suffix(".png")))
+    except ImportError:  # matplotlib is optional
+        pass
+    return {"files": files, "summary": rows}
+
+
+def plot_stalls(rows: list[dict], path, label: str) -> None:
+    """The others' worst stall per cell, stock beside RidgeFill."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .util import save_figure
+
+    cells = sorted({(r["tokens"], r["yield_ms"], r["kv"], r["users"]) for r in rows})
+    value = {(r["tokens"], r["yield_ms"], r["kv"], r["users"], r["arm"]): r["worst_stall_s"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(cells)), 3.5))
+    xs = range(len(cells))
+    for k, (arm, shift) in enumerate((("stock", -0.2), ("ridgefill", 0.2))):
+        ax.bar([x + shift for x in xs], [value.get((*c, arm), 0) for c in cells], width=0.4, label=arm)
+    ax.set_xticks(list(xs), [f"{t // 1024}K {kv[0]} C={u}" + (f" y{y}" if y else "") for t, y, kv, u in cells],
+                  rotation=60, fontsize=7)
+    ax.set_ylabel("others' worst stall (s)")
+    ax.set_title(f"Mixed serving: {label}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -80,3 +80,23 @@ def test_a_request_cancelled_in_the_middle_of_its_ridgefill_prefill_leaves_the_s
     assert log.index("RidgeFill prefill cancelled") < log.index("RidgeFill prefill: 2299 rows")  # the second one ran it all
     assert after["timings"]["ridgefill"]["filled"] > 0 and after["tokens_predicted"] == 2
     assert all(not s["is_processing"] for s in slots)
+
+
+def test_the_serving_command_writes_json_markdown_and_a_plot_of_the_stalls(smollm2_with_maps, tmp_path):
+    require_builds("ridgefill")
+    from click.testing import CliRunner
+
+    from ridgefill_gguf.cli import main
+
+    model, maps, _ = smollm2_with_maps
+    res = CliRunner().invoke(main, ["serving", str(model), "--maps", str(maps), "--lengths", "1024", "--users", "2",
+                                    "--kv", "unified", "--tail", "256", "--select", "none", "-t", "2",
+                                    "--out", str(tmp_path), "--label", "smollm2"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    out = json.loads(next(tmp_path.glob("*-smollm2.json")).read_text())
+    arms = {r["arm"]: r for r in out["summary"]}
+    assert set(arms) == {"stock", "ridgefill"} and all(r["errors"] == 0 for r in arms.values())
+    assert [c["rf"]["filled"] > 0 for c in out["cells"] if c["ridgefill"]] == [True]
+    assert next(tmp_path.glob("*-smollm2.png")).stat().st_size > 0 and "| 2 | unified | ridgefill |" in res.output
