@@ -80,6 +80,9 @@ def test_a_request_cancelled_in_the_middle_of_its_ridgefill_prefill_leaves_the_s
     assert log.index("RidgeFill prefill cancelled") < log.index("RidgeFill prefill: 2299 rows")  # the second one ran it all
     assert after["timings"]["ridgefill"]["filled"] > 0 and after["tokens_predicted"] == 2
     assert all(not s["is_processing"] for s in slots)
+    # /slots: each slot's RidgeFill request (null where the server's settings apply) and whether it is in flight
+    served = [s["ridgefill"] for s in slots if "id_task" in s]
+    assert served and all(r["requested"] is True and r["select"] is None and r["in_flight"] is False for r in served)
 
 
 def test_the_serving_command_writes_json_markdown_and_a_plot_of_the_stalls(smollm2_with_maps, tmp_path):
