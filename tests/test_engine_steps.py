@@ -4,13 +4,13 @@ either sequence, between its sweep-one batches only the cells' order (float nois
 nothing behind, and a hybrid holds the context through its late layers."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from conftest import require_builds, run_py
+from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
 
 PARAMS = {"tail": 40, "fill": "ridge", "exact_rows": [], "chunk": 48, "min_prefix": 0, "probe": [16, 8]}
 
@@ -101,15 +101,7 @@ print("RESULT " + json.dumps(res))
 
 @pytest.fixture(scope="module")
 def llama_with_maps(tmp_path_factory):
-    from ridgefill_gguf.maps.convert import convert
-    from ridgefill_gguf.maps.synthetic import write_float_file
-    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-
-    d = tmp_path_factory.mktemp("engine-steps")
-    shape = dataclasses.replace(tiny_shape("llama"), n_layer=4)
-    model = write_random_model(d / "llama.gguf", shape, seed=3)
-    src = write_float_file(d / "maps.safetensors", 1, [2, 3], shape.n_embd, dtype="f32", seed=4)
-    return model, convert(src, d / "maps.gguf", model=model, outtype="f32").out
+    return tiny_model_with_maps(tmp_path_factory.mktemp("engine-steps"), "llama", n_layer=4, split=1)
 
 
 def run_steps(model, maps, unified, tmp_path, params=PARAMS):
@@ -157,14 +149,7 @@ def test_a_cancelled_prefill_leaves_no_rows_and_parameters_wait_for_the_prefill_
 
 def test_a_hybrid_yields_in_sweep_one_and_holds_the_context_through_its_late_layers(tmp_path):
     require_builds("ridgefill")
-    from ridgefill_gguf.maps.convert import convert
-    from ridgefill_gguf.maps.synthetic import write_float_file
-    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-
-    shape = dataclasses.replace(tiny_shape("qwen35"), n_layer=8)
-    model = write_random_model(tmp_path / "qwen35.gguf", shape, seed=3)
-    src = write_float_file(tmp_path / "maps.safetensors", 2, list(range(3, 8)), shape.n_embd, dtype="f32", seed=4)
-    maps = convert(src, tmp_path / "maps.gguf", model=model, outtype="f32").out
+    model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2)
     res, a = run_steps(model, maps, False, tmp_path, params={**PARAMS, "probe": [0, 0]})
     y = res["all"]["yields"]
     n_sweep = -(-299 // 64)

@@ -4,21 +4,14 @@ a prefill. No request fails, the server is alive at the end, and with RidgeFill 
 upstream's for every finished stock request."""
 from __future__ import annotations
 
-import dataclasses
-
 from conftest import require_builds
-from ridgefill_gguf.maps.convert import convert
-from ridgefill_gguf.maps.synthetic import write_float_file
-from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
 from ridgefill_gguf.soak import run_soak
 
 
 def test_a_short_soak_of_mixed_requests_and_cancellations_has_no_error_and_off_is_upstream(tmp_path):
     require_builds()
-    shape = dataclasses.replace(tiny_shape("llama"), n_layer=4)
-    model = write_random_model(tmp_path / "llama.gguf", shape, seed=3)
-    src = write_float_file(tmp_path / "maps.safetensors", 1, [2, 3], shape.n_embd, dtype="f32", seed=4)
-    maps = convert(src, tmp_path / "maps.gguf", model=model, outtype="f32").out
+    model, maps = tiny_model_with_maps(tmp_path, "llama", n_layer=4, split=1)
     r = run_soak(model, maps, n=120, log_dir=tmp_path, log=lambda *_: None)
     assert not r["errors"] and r["server_alive"], r["errors"][:5]
     assert r["cancelled"] > 0 and r["ridgefill_ran"] > 10 and r["stock_compared"] > 10

@@ -10,7 +10,6 @@ every digest must be the same.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import os
@@ -54,47 +53,23 @@ ROWS_ARMS = {"rows_ridge": {}, "rows_none": {"fill": "none"}}  # the prefill's o
 STREAMED_ARMS = ("ridge", "probe", "budget")
 
 
-def make_models(folder: Path) -> dict[str, tuple[Path, Path]]:
+def make_model(folder: Path, arch: str, hybrid: bool) -> tuple[Path, Path]:
+    """A tiny model and its maps, merged with a fixed token frequency table so that protected rows differ."""
     from ridgefill_gguf.maps import format as fmt
-    from ridgefill_gguf.maps.convert import convert
     from ridgefill_gguf.maps.merge import merge
-    from ridgefill_gguf.maps.synthetic import write_float_file
-    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
 
-    out = {}
-    for arch in ARCHS:
-        shape = dataclasses.replace(tiny_shape(arch), n_layer=4)
-        model = write_random_model(folder / f"{arch}.gguf", shape, seed=3)
-        src = write_float_file(folder / f"{arch}.safetensors", SPLIT, [2, 3], shape.n_embd, dtype="f32", seed=4)
-        maps = convert(src, folder / f"{arch}.maps.gguf", model=model, outtype="f32").out
-        n_vocab = fmt.model_fingerprint(model).n_vocab
-        freq = 1.0 + (np.arange(n_vocab) % 97).astype(np.float32)  # a fixed table, so protected rows differ
-        out[arch] = (model, merge([maps], folder / f"{arch}.maps-freq.gguf", token_freq=freq))
-    return out
+    if hybrid:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from test_reference_hybrid import long_memory_copy
 
-
-def make_hybrids(folder: Path) -> dict[str, tuple[Path, Path]]:
-    from ridgefill_gguf.maps import format as fmt
-    from ridgefill_gguf.maps.convert import convert
-    from ridgefill_gguf.maps.merge import merge
-    from ridgefill_gguf.maps.synthetic import write_float_file
-    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_reference_hybrid import long_memory_copy
-
-    out = {}
-    for arch in HYBRIDS:
-        shape = dataclasses.replace(tiny_shape(arch), n_layer=HYBRID_LAYERS)
-        model = long_memory_copy(write_random_model(folder / f"{arch}-stock.gguf", shape, seed=3),
-                                 folder / f"{arch}.gguf")
-        src = write_float_file(folder / f"{arch}.safetensors", HYBRID_SPLIT,
-                               list(range(HYBRID_SPLIT + 1, HYBRID_LAYERS)), shape.n_embd, dtype="f32", seed=4)
-        maps = convert(src, folder / f"{arch}.maps.gguf", model=model, outtype="f32").out
-        n_vocab = fmt.model_fingerprint(model).n_vocab
-        freq = 1.0 + (np.arange(n_vocab) % 97).astype(np.float32)
-        out[arch] = (model, merge([maps], folder / f"{arch}.maps-freq.gguf", token_freq=freq))
-    return out
+        model, maps = tiny_model_with_maps(folder, arch, n_layer=HYBRID_LAYERS, split=HYBRID_SPLIT,
+                                           prepare=long_memory_copy)
+    else:
+        model, maps = tiny_model_with_maps(folder, arch, n_layer=4, split=SPLIT)
+    n_vocab = fmt.model_fingerprint(model).n_vocab
+    freq = 1.0 + (np.arange(n_vocab) % 97).astype(np.float32)
+    return model, merge([maps], folder / f"{arch}.maps-freq.gguf", token_freq=freq)
 
 
 def runs_for(placement: str, hybrid: bool = False) -> list[dict]:
@@ -140,10 +115,9 @@ def main() -> int:
     digests = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        models = {a: (m, x, False) for a, (m, x) in make_models(tmp).items()}
-        if args.hybrids:
-            models.update({a: (m, x, True) for a, (m, x) in make_hybrids(tmp).items()})
-        for arch, (model, maps, hybrid) in models.items():
+        archs = [(a, False) for a in ARCHS] + ([(a, True) for a in HYBRIDS] if args.hybrids else [])
+        for arch, hybrid in archs:
+            model, maps = make_model(tmp, arch, hybrid)
             for flash in (False, True):
                 for placement in ("resident", "streamed"):
                     key = f"{arch}|flash={'on' if flash else 'off'}|{placement}"

@@ -7,7 +7,6 @@ mixed requests; results as JSON and Markdown in results/soak/.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import sys
@@ -19,9 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from ridgefill_gguf.maps.convert import convert
-    from ridgefill_gguf.maps.synthetic import write_float_file
-    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
     from ridgefill_gguf.soak import run_soak
     from ridgefill_gguf.util import hardware, write_atomic
 
@@ -32,10 +29,7 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        shape = dataclasses.replace(tiny_shape("llama"), n_layer=4)
-        model = write_random_model(d / "llama.gguf", shape, seed=3)
-        src = write_float_file(d / "maps.safetensors", 1, [2, 3], shape.n_embd, dtype="f32", seed=4)
-        maps = convert(src, d / "maps.gguf", model=model, outtype="f32").out
+        model, maps = tiny_model_with_maps(d, "llama", n_layer=4, split=1)
         r = run_soak(model, maps, n=args.n, cache_ram_mib=args.cache_ram, log_dir=d)
     r.update(command=" ".join(sys.argv), hardware=hardware(), model="tiny random llama, 4 layers, split 1")
     ram = "" if args.cache_ram is None else f"-cache-ram-{args.cache_ram}"

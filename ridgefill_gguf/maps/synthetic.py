@@ -88,6 +88,25 @@ def write_random_maps(model: str | Path, split: int, out: str | Path, *, outtype
     return fmt.write_maps(out, meta, plans, produce, force=force)
 
 
+def tiny_model_with_maps(folder: str | Path, arch: str, *, n_layer: int, split: int, prepare=None,
+                         model_seed: int = 3, maps_seed: int = 4) -> tuple[Path, Path]:
+    """A tiny random model of `arch` with random F32 maps for every layer after `split`, for tests and tools;
+    prepare(path, out) -> out may rewrite the model first (a hybrid's slow decay)."""
+    import dataclasses
+
+    from ..random_gguf import tiny_shape, write_random_model
+    from .convert import convert
+
+    folder = Path(folder)
+    shape = dataclasses.replace(tiny_shape(arch), n_layer=n_layer)
+    model = write_random_model(folder / f"{arch}{'-stock' if prepare else ''}.gguf", shape, seed=model_seed)
+    if prepare:
+        model = prepare(model, folder / f"{arch}.gguf")
+    src = write_float_file(folder / f"{arch}.safetensors", split, list(range(split + 1, n_layer)), shape.n_embd,
+                           dtype="f32", seed=maps_seed)
+    return model, convert(src, folder / f"{arch}.maps.gguf", model=model, outtype="f32").out
+
+
 if __name__ == "__main__":
     import argparse
 
