@@ -78,3 +78,20 @@ def require_cuda_builds(*builds: str) -> None:
     missing = [b for b in builds or BUILDS if not is_cuda_build(b)]
     if missing:
         pytest.skip(f"build(s) {missing} are not CUDA builds")
+
+
+SMOLLM2_SPLIT, SMOLLM2_N_LAYER, SMOLLM2_N_EMBD = 15, 30, 576
+
+
+def smollm2_with_random_maps(folder: Path) -> tuple[Path, Path]:
+    """SmolLM2-135M (make default-model) and random Q8_0 maps for split 15: for tests of the schedule's cost or
+    memory, not of its quality. Skips when the model is not there."""
+    from ridgefill_gguf.maps.convert import convert
+    from ridgefill_gguf.maps.synthetic import write_float_file
+    from ridgefill_gguf.models import model_path
+    model = model_path("smollm2-135m")
+    if not model.exists():
+        pytest.skip(f"{model} is not there (make default-model)")
+    src = write_float_file(folder / "maps.safetensors", SMOLLM2_SPLIT,
+                           list(range(SMOLLM2_SPLIT + 1, SMOLLM2_N_LAYER)), SMOLLM2_N_EMBD, dtype="f16", seed=1)
+    return model, Path(convert(src, folder / "maps.gguf", model=model).out)

@@ -236,3 +236,20 @@ def test_the_hybrid_mac_ceiling_charges_what_a_filled_row_still_does_in_a_deltan
     # the same sizes with every layer attention, whose filled rows write only K/V: a higher ceiling
     skipped = dataclasses.replace(s, full_attention_interval=1)  # every layer attention
     assert mac_ceiling(skipped, n, split, n - tail - 1, tail + 1, tail=tail) > plain
+
+
+def test_the_memory_bench_reads_llama_cpps_breakdown_rows_and_compute_growth():
+    from ridgefill_gguf.bench_memory import compute_growth, parse_breakdown
+    log = ("common_memory_breakdown_print: | memory breakdown [MiB] | total   free    self   model   context   compute"
+           "    unaccounted |\n"
+           "common_memory_breakdown_print: |   - CUDA0 (H200)       | 143771 = 110000 + (30617 =  9100 +   21000 +"
+           "     517) +        3154 |\n"
+           "common_memory_breakdown_print: |   - Host               |                  1210 =  1050 +       0 +"
+           "     160                |\n"
+           "W ~llama_context:      CUDA0 compute buffer size of 3328.6250 MiB, does not match expectation of "
+           "224.2599 MiB\n")
+    b = parse_breakdown(log)
+    assert b["CUDA0"] == {"total": 143771, "free": 110000, "self": 30617, "model": 9100, "context": 21000,
+                          "compute": 517, "unaccounted": 3154}
+    assert b["Host"] == {"self": 1210, "model": 1050, "context": 0, "compute": 160}
+    assert compute_growth(log) == {"CUDA0": {"held_mib": 3328.625, "reserved_mib": 224.2599}}

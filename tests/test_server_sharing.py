@@ -10,26 +10,15 @@ import time
 
 import pytest
 
-from conftest import require_builds
-from ridgefill_gguf.maps.convert import convert
-from ridgefill_gguf.maps.synthetic import write_float_file
-from ridgefill_gguf.models import model_path
+from conftest import require_builds, smollm2_with_random_maps
 from ridgefill_gguf.serve import Server
 from ridgefill_gguf.serving import one_cell
-
-SPLIT, N_LAYER, N_EMBD = 15, 30, 576
 
 
 @pytest.fixture(scope="module")
 def smollm2_with_maps(tmp_path_factory):
-    model = model_path("smollm2-135m")
-    if not model.exists():
-        pytest.skip(f"{model} is not there (make default-model)")
     d = tmp_path_factory.mktemp("sharing")
-    # random maps: the schedule's cost, not its quality, is under test
-    src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), N_EMBD, dtype="f16",
-                           seed=1)
-    return model, convert(src, d / "maps.gguf", model=model).out, d
+    return (*smollm2_with_random_maps(d), d)  # random maps: the schedule's cost, not its quality, is under test
 
 
 def two_slot_server(model, maps, log_path) -> Server:

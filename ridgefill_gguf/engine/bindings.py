@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 10
+API_VERSION = 11
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -66,6 +66,7 @@ _SIGNATURES = {
     "llama_ridgefill_prefill_step": (ctypes.c_int32, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_cancel": (None, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_active": (ctypes.c_int32, [ctypes.c_void_p]),
+    "llama_ridgefill_buffer_bytes": (ctypes.c_uint64, [ctypes.c_void_p]),
 }
 # llama_ridgefill_prefill_step's answers besides failure
 STEP_DONE, STEP_YIELD, STEP_HOLD = 0, 1, 2
@@ -88,7 +89,8 @@ class Stats(ctypes.Structure):
                 ("n_budget_digits", ctypes.c_int32), ("n_budget_attention", ctypes.c_int32),
                 ("n_lexical", ctypes.c_int32), ("n_protected", ctypes.c_int32), ("n_random", ctypes.c_int32),
                 ("device_mask", ctypes.c_int32), ("n_whole_numbers", ctypes.c_int32),
-                ("n_state_corrected", ctypes.c_int32)]
+                ("n_state_corrected", ctypes.c_int32),
+                ("n_masks_made", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -301,6 +303,11 @@ def prefill_steps(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0)
 def prefill_active(ctx) -> int:
     """The sequence of the prefill in flight on ctx, -1 when there is none."""
     return _prefill_lib().llama_ridgefill_prefill_active(ctx)
+
+
+def buffer_bytes(ctx) -> int:
+    """Bytes of RidgeFill's own buffers ctx holds now (the maps not counted)."""
+    return _prefill_lib().llama_ridgefill_buffer_bytes(ctx)
 
 
 def select_rows(model, maps: LoadedMaps | None, tokens: list[int], n_prefix: int, rule: str) -> list[int]:

@@ -1,0 +1,112 @@
+"""RidgeFill's memory: its buffers are sized when the maps are attached, from the context (x_S for every row the
+context holds, the exact rows' mask for one chunk, the inputs for the tail, the probe's), a prefill whose exact rows
+fit the tail allocates nothing more, and the exact rows' mask holds one chunk whatever their number: where every
+fill runs first, each chunk runs all late layers in turn and its mask is made once, otherwise once per layer, with
+the same logits byte for byte."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import require_builds, run_py
+from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+
+N_CTX, N_UBATCH, TAIL, N_PROMPT, N_MANY = 2048, 32, 40, 1500, 1200
+
+SCRIPT = r'''
+import json
+import numpy as np
+from ridgefill_gguf.engine.session import Session
+from ridgefill_gguf.engine import bindings as B
+
+cfg = json.loads(CFG)
+out = {}
+for placement in ("resident", "streamed"):
+    S = Session(cfg["model"], n_ctx=cfg["n_ctx"], n_batch=64, n_ubatch=cfg["n_ubatch"], n_threads=2)
+    S.attach(cfg["maps"], placement)
+    at_attach = B.buffer_bytes(S.ctx)
+    B.configure(S.ctx, probe_budget=[16, 0], chunk=48, min_prefix=0, tail=cfg["tail"])
+    with_probe = B.buffer_bytes(S.ctx)
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(1000, 5000, cfg["n_prompt"])]
+    B.configure(S.ctx, probe_budget=[0, 0])
+    logits_tail, _, st_tail = S.ridgefill(tokens)
+    after_tail = B.buffer_bytes(S.ctx)
+    logits, _, st = S.ridgefill(tokens, exact_rows=list(range(10, 10 + cfg["n_many"])))
+    out[placement] = {"at_attach": at_attach, "with_probe": with_probe, "after_tail": after_tail,
+                      "after_many": B.buffer_bytes(S.ctx), "tail_masks": st_tail["n_masks_made"],
+                      "masks": st["n_masks_made"], "n_exact": st["n_exact"], "n_tail": st["n_tail"],
+                      "applied": st["applied"], "device_mask": st["device_mask"],
+                      "logits": logits.tobytes().hex(), "logits_tail": logits_tail.tobytes().hex()}
+    S.close()
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def llama_with_maps(tmp_path_factory):
+    return tiny_model_with_maps(tmp_path_factory.mktemp("engine-memory"), "llama", n_layer=4, split=1)
+
+
+@pytest.fixture(scope="module")
+def result(llama_with_maps):
+    require_builds("ridgefill")
+    model, maps = llama_with_maps
+    cfg = {"model": str(model), "maps": str(maps), "n_ctx": N_CTX, "n_ubatch": N_UBATCH, "tail": TAIL,
+           "n_prompt": N_PROMPT, "n_many": N_MANY}
+    proc = run_py(SCRIPT.replace("CFG", repr(json.dumps(cfg))), build="ridgefill")
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), model
+
+
+def embedding_length(model) -> int:
+    from gguf import GGUFReader
+    reader = GGUFReader(model)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    return int(reader.fields[f"{arch}.embedding_length"].parts[-1][0])
+
+
+def expected_at_attach(model) -> int:
+    """x_S for every row, the mask for one chunk of exact rows (flash attention off: a ubatch, F32, over every
+    cell), the inputs of the default tail twice (read from one, written to the other)."""
+    d = embedding_length(model)
+    return 4 * d * N_CTX + 4 * N_CTX * N_UBATCH + 2 * 4 * d * 1024  # the tiny maps carry no tail_default: 1024
+
+
+def test_attach_sizes_the_buffers_from_the_context_and_a_prefill_within_the_tail_allocates_nothing(result):
+    res, model = result
+    for placement in ("resident", "streamed"):
+        r = res[placement]
+        staging = r["at_attach"] - res["resident"]["at_attach"]
+        assert r["at_attach"] - staging == expected_at_attach(model), (placement, r)
+        assert r["with_probe"] > r["at_attach"]  # the probe's rows, mask and scores, once its parameters are set
+        assert r["after_tail"] == r["with_probe"], r
+    # streamed maps add the two staging slots of one layer's map
+    assert res["streamed"]["at_attach"] > res["resident"]["at_attach"]
+
+
+def test_more_exact_rows_than_the_tail_grow_only_their_inputs_and_the_mask_stays_one_chunk(result):
+    res, model = result
+    r = res["resident"]
+    n_run = N_MANY + 1 + TAIL - 1  # the listed rows, position 0 (always exact) and this call's tail
+    assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1
+    assert r["after_many"] - r["after_tail"] == 2 * 4 * embedding_length(model) * (n_run - 1024), r
+
+
+def test_each_chunk_runs_every_late_layer_in_turn_so_its_mask_is_made_once(result):
+    res, _ = result
+    chunks = -(-(N_MANY + 1 + TAIL - 1) // N_UBATCH)
+    late_layers = 4 - 1
+    assert res["resident"]["masks"] == chunks, res["resident"]
+    # streamed maps keep the layer-major order: each chunk's mask is made again at every late layer
+    assert res["streamed"]["masks"] == chunks * late_layers, res["streamed"]
+    # the tail alone is two chunks
+    assert (res["resident"]["tail_masks"], res["streamed"]["tail_masks"]) == (2, 2 * late_layers)
+    assert res["resident"]["device_mask"] == 1
+
+
+def test_chunk_major_and_layer_major_orders_give_the_same_logits_byte_for_byte(result):
+    res, _ = result
+    assert res["resident"]["logits"] == res["streamed"]["logits"]
+    assert res["resident"]["logits_tail"] == res["streamed"]["logits_tail"]

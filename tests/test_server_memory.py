@@ -1,0 +1,71 @@
+"""llama-server counts RidgeFill's memory where llama.cpp counts its own: --fit (on by default) measures the context
+with the maps attached, so its projection grows by the maps and RidgeFill's buffers, and the memory breakdown the
+server prints on exit shows the maps as model memory and the buffers as context memory (CPU, SmolLM2)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOLLM2_N_EMBD as N_EMBD, require_builds, smollm2_with_random_maps
+from ridgefill_gguf.bench_memory import parse_breakdown
+from ridgefill_gguf.serve import Server
+
+N_CTX, N_UBATCH, PROBE_ROWS, TAIL = 8192, 512, 256, 1024
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def smollm2_with_maps(tmp_path_factory):
+    return smollm2_with_random_maps(tmp_path_factory.mktemp("server-memory"))
+
+
+def expected_buffers(d: int) -> int:
+    """Flash attention off: x_S of every row, a ubatch's F32 mask over every cell, the tail's inputs twice, and the
+    server's default selector, the probe: its rows twice, their F32 mask and the cells' scores."""
+    return (4 * d * N_CTX + 4 * N_CTX * N_UBATCH + 2 * 4 * d * TAIL
+            + 2 * 4 * d * PROBE_ROWS + 4 * N_CTX * PROBE_ROWS + 4 * N_CTX)
+
+
+def run_server(model, maps, log_path) -> str:
+    extra = ("-fa", "off", "-b", str(N_UBATCH), "-ub", str(N_UBATCH), "-v")
+    with Server(model, maps, n_ctx=N_CTX, threads=2, extra=extra, log_path=log_path, tail=TAIL if maps else None):
+        pass
+    return log_path.read_text(errors="replace")
+
+
+def fit_projection_mib(log: str) -> int:
+    m = re.search(r"projected to use (\d+) MiB of host memory", log)
+    assert m, log[-3000:]
+    return int(m.group(1))
+
+
+def host_breakdown_mib(log: str) -> tuple[int, int]:
+    """(model, context) MiB of the Host row of the breakdown printed on exit."""
+    host = parse_breakdown(log).get("Host")
+    assert host, log[-3000:]
+    return host["model"], host["context"]
+
+
+@pytest.fixture(scope="module")
+def logs(smollm2_with_maps, tmp_path_factory):
+    require_builds("ridgefill")
+    model, maps = smollm2_with_maps
+    d = tmp_path_factory.mktemp("server-memory-logs")
+    return run_server(model, None, d / "stock.log"), run_server(model, maps, d / "ridgefill.log"), maps, model
+
+
+def test_fit_projects_the_maps_and_ridgefill_buffers_beside_the_model(logs):
+    stock, rf, maps, model = logs
+    grown = fit_projection_mib(rf) - fit_projection_mib(stock)
+    expected = (maps.stat().st_size + expected_buffers(N_EMBD)) / MiB
+    assert abs(grown - expected) <= 2, (grown, expected)
+
+
+def test_the_exit_breakdown_shows_the_maps_as_model_and_the_buffers_as_context_memory(logs):
+    stock, rf, maps, model = logs
+    (m0, c0), (m1, c1) = host_breakdown_mib(stock), host_breakdown_mib(rf)
+    assert abs((m1 - m0) - maps.stat().st_size / MiB) <= 1, (m0, m1)
+    assert abs((c1 - c0) - expected_buffers(N_EMBD) / MiB) <= 1, (c0, c1)
+    assert "RidgeFill buffers for the context" in rf
