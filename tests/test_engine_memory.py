@@ -69,9 +69,9 @@ def embedding_length(model) -> int:
 
 def expected_at_attach(model) -> int:
     """x_S for every row, the mask for one chunk of exact rows (flash attention off: a ubatch, F32, over every
-    cell), the inputs of the default tail twice (read from one, written to the other)."""
+    cell), the inputs of the default tail and position 0 twice (read from one, written to the other)."""
     d = embedding_length(model)
-    return 4 * d * N_CTX + 4 * N_CTX * N_UBATCH + 2 * 4 * d * 1024  # the tiny maps carry no tail_default: 1024
+    return 4 * d * N_CTX + 4 * N_CTX * N_UBATCH + 2 * 4 * d * (1024 + 1)  # the tiny maps carry no tail_default
 
 
 def test_attach_sizes_the_buffers_from_the_context_and_a_prefill_within_the_tail_allocates_nothing(result):
@@ -91,7 +91,7 @@ def test_more_exact_rows_than_the_tail_grow_only_their_inputs_and_the_mask_stays
     r = res["resident"]
     n_run = N_MANY + 1 + TAIL - 1  # the listed rows, position 0 (always exact) and this call's tail
     assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1
-    assert r["after_many"] - r["after_tail"] == 2 * 4 * embedding_length(model) * (n_run - 1024), r
+    assert r["after_many"] - r["after_tail"] == 2 * 4 * embedding_length(model) * (n_run - 1025), r
 
 
 def test_each_chunk_runs_every_late_layer_in_turn_so_its_mask_is_made_once(result):

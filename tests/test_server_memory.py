@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMOLLM2_N_EMBD as N_EMBD, require_builds, smollm2_with_random_maps
-from ridgefill_gguf.bench_memory import parse_breakdown
+from ridgefill_gguf.bench_memory import compute_growth, parse_breakdown
 from ridgefill_gguf.serve import Server
 
 N_CTX, N_UBATCH, PROBE_ROWS, TAIL = 8192, 512, 256, 1024
@@ -22,16 +22,22 @@ def smollm2_with_maps(tmp_path_factory):
 
 
 def expected_buffers(d: int) -> int:
-    """Flash attention off: x_S of every row, a ubatch's F32 mask over every cell, the tail's inputs twice, and the
-    server's default selector, the probe: its rows twice, their F32 mask and the cells' scores."""
-    return (4 * d * N_CTX + 4 * N_CTX * N_UBATCH + 2 * 4 * d * TAIL
+    """Flash attention off: x_S of every row, a ubatch's F32 mask over every cell, the inputs of the tail and
+    position 0 twice, and the server's default selector, the probe: its rows twice, their F32 mask and the cells'
+    scores."""
+    return (4 * d * N_CTX + 4 * N_CTX * N_UBATCH + 2 * 4 * d * (TAIL + 1)
             + 2 * 4 * d * PROBE_ROWS + 4 * N_CTX * PROBE_ROWS + 4 * N_CTX)
 
 
 def run_server(model, maps, log_path) -> str:
+    """A server started and stopped; with maps it first serves one plain RidgeFill request of 4,000 tokens, whose
+    exact rows (the tail and position 0) fit the buffers attach made."""
     extra = ("-fa", "off", "-b", str(N_UBATCH), "-ub", str(N_UBATCH), "-v")
-    with Server(model, maps, n_ctx=N_CTX, threads=2, extra=extra, log_path=log_path, tail=TAIL if maps else None):
-        pass
+    with Server(model, maps, n_ctx=N_CTX, threads=2, extra=extra, log_path=log_path,
+                tail=TAIL if maps else None) as srv:
+        if maps:
+            r = srv.complete(list(range(1000, 5000)), n_predict=1, ridgefill=True, ridgefill_select="none")
+            assert r["timings"]["ridgefill"]["filled"] > 0, r["timings"]
     return log_path.read_text(errors="replace")
 
 
@@ -69,3 +75,14 @@ def test_the_exit_breakdown_shows_the_maps_as_model_and_the_buffers_as_context_m
     assert abs((m1 - m0) - maps.stat().st_size / MiB) <= 1, (m0, m1)
     assert abs((c1 - c0) - expected_buffers(N_EMBD) / MiB) <= 1, (c0, c1)
     assert "RidgeFill buffers for the context" in rf
+
+
+def test_a_ridgefill_prefill_within_the_tail_grows_nothing_beyond_what_attach_reserved_and_fit_projected(logs):
+    _, rf, _, _ = logs
+    assert parse_breakdown(rf)["Host"]["self"] == fit_projection_mib(rf)
+    reserved = float(re.findall(r"RidgeFill's graphs reserved: CPU compute buffer ([\d.]+) MiB", rf)[-1])
+    # llama.cpp says how big the compute buffer was when the context was freed, where it differs from its own
+    # reservation at context creation
+    grown = compute_growth(rf).get("CPU")
+    held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", rf)[-1])
+    assert abs(held - reserved) < 0.01, (held, reserved)
