@@ -32,9 +32,9 @@ ARMS = {"stock": {"ridgefill": False}, "plain": {"ridgefill": True, "ridgefill_s
 def parse_breakdown(log: str) -> dict[str, dict[str, int]]:
     """The last memory breakdown in a llama.cpp log, MiB per device and for the host:
     {"CUDA0": {"total", "free", "self", "model", "context", "compute", "unaccounted"}, "Host": {...}}."""
+    keys = ("total", "free", "self", "model", "context", "compute", "unaccounted")
     out: dict[str, dict[str, int]] = {}
     for m in _GPU_ROW.finditer(log):
-        keys = ("total", "free", "self", "model", "context", "compute", "unaccounted")
         out[m.group(1)] = dict(zip(keys, map(int, m.groups()[2:])))
     hosts = _HOST_ROW.findall(log)
     if hosts:

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import require_builds, run_py
 from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+from ridgefill_gguf.random_gguf import ModelShape
 
 N_CTX, N_UBATCH, TAIL, N_PROMPT, N_MANY = 2048, 32, 40, 1500, 1200
 
@@ -60,17 +61,10 @@ def result(llama_with_maps):
     return json.loads(line[len("RESULT "):]), model
 
 
-def embedding_length(model) -> int:
-    from gguf import GGUFReader
-    reader = GGUFReader(model)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    return int(reader.fields[f"{arch}.embedding_length"].parts[-1][0])
-
-
 def expected_at_attach(model) -> int:
     """x_S for every row, the mask for one chunk of exact rows (flash attention off: a ubatch, F32, over every
     cell), the inputs of the default tail and position 0 twice (read from one, written to the other)."""
-    d = embedding_length(model)
+    d = ModelShape.from_gguf(model).n_embd
     return 4 * d * N_CTX + 4 * N_CTX * N_UBATCH + 2 * 4 * d * (1024 + 1)  # the tiny maps carry no tail_default
 
 
@@ -91,7 +85,7 @@ def test_more_exact_rows_than_the_tail_grow_only_their_inputs_and_the_mask_stays
     r = res["resident"]
     n_run = N_MANY + 1 + TAIL - 1  # the listed rows, position 0 (always exact) and this call's tail
     assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1
-    assert r["after_many"] - r["after_tail"] == 2 * 4 * embedding_length(model) * (n_run - 1025), r
+    assert r["after_many"] - r["after_tail"] == 2 * 4 * ModelShape.from_gguf(model).n_embd * (n_run - 1025), r
 
 
 def test_each_chunk_runs_every_late_layer_in_turn_so_its_mask_is_made_once(result):

@@ -4,7 +4,6 @@ server prints on exit shows the maps as model memory and the buffers as context 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
