@@ -55,17 +55,18 @@ def layer_ceiling(n: int, split: int, tail: int, n_layer: int) -> float:
 
 def layer_macs(s: ModelShape) -> dict[str, float]:
     """Per row: a whole attention layer and its fill (the K/V projections), a whole Gated DeltaNet layer and its
-    fill (the in-projections, the conv and the state update, all of which a filled row still does); and per
-    attended cell, QK and PV. A DeltaNet layer's state update counts its recurrence, four multiply-accumulates per
-    state element per row (decay, read, delta write, output read)."""
+    fill (the in-projections the states need, the conv and the state update, all of which a filled row still does;
+    not the output gate z, which only rows with an output project); and per attended cell, QK and PV. A DeltaNet
+    layer's state update counts its recurrence, four multiply-accumulates per state element per row (decay, read,
+    delta write, output read)."""
     q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     ffn = 3 * s.n_embd * s.n_ff
     gate = q if s.arch == "qwen35" else 0  # qwen35's query projection carries an output gate beside each head
     hk, nk, nv, hv = s.ssm_d_state, s.ssm_n_group, s.ssm_dt_rank, s.head_v_dim
     conv = 2 * nk * hk + nv * hv
-    gdn_fill = s.n_embd * (conv + nv * hv + 2 * nv) + s.ssm_d_conv * conv + 4 * nv * hk * hv
+    gdn_fill = s.n_embd * (conv + 2 * nv) + s.ssm_d_conv * conv + 4 * nv * hk * hv
     return {"attention": s.n_embd * (q + gate + 2 * kv) + q * s.n_embd + ffn, "attention_fill": s.n_embd * 2 * kv,
-            "deltanet": gdn_fill + nv * hv * s.n_embd + ffn, "deltanet_fill": gdn_fill,
+            "deltanet": gdn_fill + 2 * nv * hv * s.n_embd + ffn, "deltanet_fill": gdn_fill,
             "cell": 2 * s.n_head * s.head_dim}
 
 

@@ -221,10 +221,12 @@ def test_the_hybrid_mac_ceiling_charges_what_a_filled_row_still_does_in_a_deltan
 
     s = REAL_SHAPES["qwen35-27b"]
     m = layer_macs(s)
-    # in-projections from d 5120 (q, k and v 2*16*128 + 48*128 = 10,240; z 6,144; beta and alpha 2*48), the
-    # 4-wide conv over the 10,240 channels, and the recurrence over 48 states of 128 x 128
-    assert m["deltanet_fill"] == 5120 * (10240 + 6144 + 96) + 4 * 10240 + 4 * 48 * 128 * 128
-    assert m["deltanet"] == m["deltanet_fill"] + 6144 * 5120 + 3 * 5120 * 17408
+    # in-projections from d 5120 (q, k and v 2*16*128 + 48*128 = 10,240; beta and alpha 2*48), the 4-wide conv
+    # over the 10,240 channels, and the recurrence over 48 states of 128 x 128; a filled row has no output, so no
+    # output gate z (6,144) either
+    assert m["deltanet_fill"] == 5120 * (10240 + 96) + 4 * 10240 + 4 * 48 * 128 * 128
+    # a row with an output adds z, the output projection and the MLP
+    assert m["deltanet"] == m["deltanet_fill"] + 2 * 6144 * 5120 + 3 * 5120 * 17408
     # the gated query doubles qwen35's query projection
     assert m["attention"] == 5120 * (2 * 24 * 256 + 2 * 4 * 256) + 24 * 256 * 5120 + 3 * 5120 * 17408
     n, split, tail = 32768, 16, 4096

@@ -6,6 +6,9 @@ every digest must be the same.
 
   python tools/arm_digests.py -o before.json                 # on the commit before the refactor
   python tools/arm_digests.py -o after.json --compare before.json   # exits 1 and names the arms that moved
+
+A change meant to move some arms keeps the logits (--logits DIR on both commits, --compare-logits DIR on the
+second): each moved arm then shows how far it moved beside how far it is from the stock prefill.
 """
 from __future__ import annotations
 
@@ -83,7 +86,8 @@ def runs_for(placement: str, hybrid: bool = False) -> list[dict]:
     return runs
 
 
-def run_one(model: Path, maps: Path, flash: bool, placement: str, tmp: Path, hybrid: bool = False) -> dict[str, dict]:
+def run_one(model: Path, maps: Path, flash: bool, placement: str, tmp: Path, hybrid: bool = False,
+            keep: Path | None = None) -> dict[str, dict]:
     spec = {"model": str(model), "n_ctx": 512, "prompt": PROMPT, "runs": runs_for(placement, hybrid),
             "session": {"n_batch": 64, "n_ubatch": 32, "n_threads": 2, "maps": str(maps), "placement": placement,
                         "flash_attn": flash}}
@@ -95,6 +99,10 @@ def run_one(model: Path, maps: Path, flash: bool, placement: str, tmp: Path, hyb
     if proc.returncode != 0:
         raise SystemExit(f"arm_digests: the engine run failed:\n{proc.stdout[-3000:]}")
     stats = json.loads(out.with_suffix(".json").read_text())
+    if keep:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(out, keep)
+        out = keep
     result = {}
     with np.load(out) as data:
         for run in spec["runs"]:
@@ -106,11 +114,27 @@ def run_one(model: Path, maps: Path, flash: bool, placement: str, tmp: Path, hyb
     return result
 
 
+def report_moves(moved: list[str], now: Path, before: Path) -> None:
+    """Each moved arm's largest logit change beside its largest distance from the stock prefill."""
+    for arm in moved:
+        key, name = arm.rsplit("|", 1)
+        file = key.replace("|", "_").replace("=", "-") + ".npz"
+        stock_file = file.replace("_streamed", "_resident")  # the stock prefill runs with resident maps only
+        with np.load(now / file) as a, np.load(before / file) as b, np.load(before / stock_file) as s:
+            old = b[name].astype(np.float64)
+            moved_by = float(np.max(np.abs(a[name] - old)))
+            stock = s["stock"].reshape(-1, old.shape[-1])[-1]
+            from_stock = float(np.max(np.abs(old.reshape(-1, old.shape[-1])[-1] - stock)))
+        print(f"  {arm}: moved by {moved_by:.3g} (max |logit change|); its last row from stock's {from_stock:.3g}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-o", "--out", type=Path, required=True, help="JSON of digests to write")
     ap.add_argument("--compare", type=Path, help="digests of the commit before: exit 1 where any differs")
     ap.add_argument("--hybrids", action="store_true", help="the hybrids' arms too (qwen35, qwen3next)")
+    ap.add_argument("--logits", type=Path, help="folder to keep every run's logits in (one .npz per model and mode)")
+    ap.add_argument("--compare-logits", type=Path, help="the commit before's --logits folder: how far moved arms moved")
     args = ap.parse_args()
     digests = {}
     with tempfile.TemporaryDirectory() as d:
@@ -121,7 +145,8 @@ def main() -> int:
             for flash in (False, True):
                 for placement in ("resident", "streamed"):
                     key = f"{arch}|flash={'on' if flash else 'off'}|{placement}"
-                    digests[key] = run_one(model, maps, flash, placement, tmp, hybrid)
+                    keep = args.logits / (key.replace("|", "_").replace("=", "-") + ".npz") if args.logits else None
+                    digests[key] = run_one(model, maps, flash, placement, tmp, hybrid, keep)
                     print(f"{key}: {len(digests[key])} arms", flush=True)
     n = sum(len(v) for v in digests.values())
     not_applied = [f"{k}|{a}" for k, v in digests.items() for a, r in v.items() if a != "stock" and r["applied"] != 1]
@@ -138,6 +163,8 @@ def main() -> int:
                  if before.get(k, {}).get(a, {}).get("sha256") != r["sha256"]]
         missing = [f"{k}|{a}" for k, v in before.items() for a in v
                    if a not in digests.get(k, {}) and (args.hybrids or k.split("|")[0] not in HYBRIDS)]
+        if moved and args.compare_logits and args.logits:
+            report_moves(moved, args.logits, args.compare_logits)
         if moved or missing:
             print(f"arm_digests: {len(moved)} arms moved: {', '.join(moved)}" +
                   (f"; missing: {', '.join(missing)}" if missing else ""))
