@@ -262,7 +262,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                         log(f"bench: {placement} {n} tokens, run {i + 1}/{repeats}: exact {exact_ms[-1]:.0f} ms, "
                             f"RidgeFill {rf_ms[-1]:.0f} ms")
                     st = stats[-1]
-                    med = {k: statistics.median(s[k] for s in stats) for k in ("early_ms", "fill_ms", "exact_ms")}
+                    med = phase_medians(stats, ("early_ms", "fill_ms", "exact_ms"))
                     speedup = statistics.median(exact_ms) / statistics.median(rf_ms)
                     c_layer = layer_ceiling(n, split, st["tail"], shape.n_layer)
                     c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
@@ -384,8 +384,19 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
             "probe_rows": st.get("probe_rows", 0),
             "selected": st["selected"], "budget": st.get("budget", 0), "lexical": st.get("lexical", 0),
             "prefix": st["filled"] + st["exact"],
-            "phases_ms": {k: statistics.median(s[k] for s in stats)
-                          for k in ("early_ms", "fill_ms", "exact_ms", "probe_ms")}}
+            "phases_ms": phase_medians(stats, ("early_ms", "fill_ms", "exact_ms", "probe_ms"))}
+
+
+def phase_medians(stats: list[dict], phases: tuple[str, ...]) -> dict[str, float]:
+    """Median per phase, the engine's total and the server's wall time, and what the phases leave out of the total
+    (planning between the sweeps, the head's logits): time no phase accounts for shows here, not hidden."""
+    med = {k: statistics.median(s[k] for s in stats) for k in phases}
+    for k in ("total_ms", "wall_ms"):
+        if all(k in s for s in stats):
+            med[k] = statistics.median(s[k] for s in stats)
+    if "total_ms" in med:
+        med["other_ms"] = statistics.median(s["total_ms"] - sum(s[k] for k in phases) for s in stats)
+    return med
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -444,13 +455,14 @@ def markdown(r: dict) -> str:
              "(the tail reads its own prefix, nearly the whole context).", ""]
     lines += markdown_table(None, ["placement", "tokens", "exact (ms)", "RidgeFill (ms)", "speedup", "ceiling (MACs)",
                            "ceiling (1/r)", "share of MAC ceiling", "filled / exact / tail rows",
-                           "sweep one / fill / exact (ms)"],
+                           "sweep one / fill / exact / other (ms)"],
                     [[x["placement"], x["tokens"], f"{x['median_exact_ms']:.0f}", f"{x['median_ridgefill_ms']:.0f}",
                       f"{x['speedup']:.2f}x", f"{x['ceiling_macs']:.2f}x", f"{x['ceiling_layers']:.2f}x",
                       f"{100 * x['share_of_ceiling']:.0f}%",
                       f"{x['rows']['filled']} / {x['rows']['exact']} / {x['rows']['tail']}",
                       f"{x['phases_ms']['early_ms']:.0f} / {x['phases_ms']['fill_ms']:.0f} / "
-                      f"{x['phases_ms']['exact_ms']:.0f}"] for x in r["rows"]])
+                      f"{x['phases_ms']['exact_ms']:.0f} / {x['phases_ms'].get('other_ms', float('nan')):.0f}"]
+                     for x in r["rows"]])
     mem = [x for x in r["rows"] if x.get("peak_memory_mib", {}).get("ridgefill")]
     if mem:
         lines += markdown_table("Peak GPU memory in use (MiB; RidgeFill's buffers stay allocated once made, so the exact arm "

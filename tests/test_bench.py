@@ -110,6 +110,10 @@ def test_a_bench_run_writes_json_markdown_and_a_plot_and_records_the_engines_env
     row = data["rows"][0]
     assert row["rows"]["filled"] + row["rows"]["exact"] + row["rows"]["tail"] == 300
     assert row["speedup"] > 0 and row["ceiling_macs"] > 1
+    # the engine's total is recorded and what its phases leave out is shown, never negative
+    phases = row["phases_ms"]
+    assert phases["total_ms"] >= phases["early_ms"] + phases["fill_ms"] + phases["exact_ms"] - 1e-6
+    assert phases["other_ms"] >= -1e-6 and phases["wall_ms"] >= phases["total_ms"] - 1e-6
     assert data["build"]["patches"] >= 1 and len(data["build"]["patch_series_sha256"]) == 16
     assert data["build"]["servers"]["resident"]  # the server's own build_info
     assert data["environment"].get("LLAMA_RIDGEFILL_HOST_MASK") == "1"
