@@ -1,8 +1,13 @@
-"""An independent NumPy forward pass, from a GGUF's weights, for the hybrid qwen35 architecture (stock llama.cpp).
+"""An independent NumPy forward pass, from a GGUF's weights, for the hybrid qwen35 and qwen3next architectures
+(stock llama.cpp).
 
 qwen35 stacks Gated DeltaNet (linear attention) layers, with a gated full-attention layer on every
 `full_attention_interval`-th one (src/models/qwen35.cpp, src/models/delta-net-base.cpp of the vendored tree).
 Every layer: x += mixer(rms(x) * attn_norm); x += ffn(rms(x) * post_attention_norm).
+qwen3next (src/models/qwen3next.cpp) has the same layers but for four things: a mixture of experts with a gated
+shared expert in place of the MLP; beta and alpha in one projection, interleaved per key head; value heads in
+grouped order (value head h reads key head h // (n_v_heads / n_k_heads): its graph repeats q and k interleaved);
+plain NEOX RoPE over n_rot dims instead of multi-section RoPE.
 
 Where llama.cpp departs from the textbook (HF) Gated DeltaNet, this file follows llama.cpp:
   - value heads sit in tiled order in the GGUF (the converter reorders them), so value head h reads key head
@@ -28,10 +33,14 @@ import numpy as np
 from .gguf_io import GGUFFile, read_gguf, tensor_f32
 
 
+ARCHS = ("qwen35", "qwen3next")  # the architectures this forward pass computes
+
+
 @dataclass(frozen=True)
 class HybridShape:
-    """The hyperparameters the qwen35 graph reads (names as in llama.cpp's hparams)."""
+    """The hyperparameters the qwen35 and qwen3next graphs read (names as in llama.cpp's hparams)."""
 
+    arch: str
     n_layer: int
     n_embd: int
     n_head: int
@@ -47,6 +56,9 @@ class HybridShape:
     n_k_heads: int                # ssm.group_count
     n_v_heads: int                # ssm.time_step_rank
     head_v_dim: int               # ssm.inner_size / n_v_heads (the graph asserts it equals head_k_dim)
+    n_expert: int = 0             # qwen3next: routed experts, n_expert_used of them per row
+    n_expert_used: int = 0
+    expert_weights_scale: float = 0.0
 
     @property
     def key_dim(self) -> int:
@@ -63,8 +75,8 @@ class HybridShape:
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "HybridShape":
         arch = g.get("general.architecture")
-        if arch != "qwen35":
-            raise ValueError(f"the hybrid reference supports qwen35, not '{arch}'")
+        if arch not in ARCHS:
+            raise ValueError(f"the hybrid reference supports {' and '.join(ARCHS)}, not '{arch}'")
         get = lambda k, d=None: g.get(f"{arch}.{k}", d)  # noqa: E731
         n_layer, n_head = int(get("block_count")), int(get("attention.head_count"))
         head_dim = int(get("attention.key_length", int(get("embedding_length")) // n_head))
@@ -72,16 +84,18 @@ class HybridShape:
         if recurrent is None:  # qwen35.cpp's default when the per-layer array is absent
             interval = int(get("full_attention_interval", 4))
             recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
-        sections = list(get("rope.dimension_sections"))
+        sections = list(get("rope.dimension_sections", [0, 0, 0, 0]))
         n_v_heads = int(get("ssm.time_step_rank"))
-        return cls(n_layer=n_layer, n_embd=int(get("embedding_length")), n_head=n_head,
+        return cls(arch=arch, n_layer=n_layer, n_embd=int(get("embedding_length")), n_head=n_head,
                    n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
                    n_rot=int(get("rope.dimension_count", head_dim)), rope_theta=float(get("rope.freq_base", 10000.0)),
                    rope_sections=tuple(int(s) for s in (sections + [0, 0, 0, 0])[:4]),
                    rms_eps=float(get("attention.layer_norm_rms_epsilon")),
                    recurrent=tuple(bool(r) for r in recurrent[:n_layer]), d_conv=int(get("ssm.conv_kernel")),
                    head_k_dim=int(get("ssm.state_size")), n_k_heads=int(get("ssm.group_count")),
-                   n_v_heads=n_v_heads, head_v_dim=int(get("ssm.inner_size")) // n_v_heads)
+                   n_v_heads=n_v_heads, head_v_dim=int(get("ssm.inner_size")) // n_v_heads,
+                   n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
+                   expert_weights_scale=float(get("expert_weights_scale", 0.0)))
 
 
 @dataclass
@@ -115,7 +129,7 @@ class HybridReference:
         self.g = read_gguf(path, skip_arrays=("tokenizer.",))
         self.hp = HybridShape.from_gguf(self.g)
         if self.hp.head_v_dim != self.hp.head_k_dim:
-            raise ValueError("qwen35's graph needs head_v_dim == head_k_dim (ssm.inner_size / time_step_rank)")
+            raise ValueError(f"{self.hp.arch}'s graph needs head_v_dim == head_k_dim (ssm.inner_size / time_step_rank)")
         self._w: dict[str, np.ndarray | None] = {}
 
     def w(self, name: str) -> np.ndarray | None:
@@ -150,7 +164,7 @@ class HybridReference:
 
         Pair i takes its position component from sector i % sum(sections), interleaved t, h, w
         (ggml_mrope_cache_init with is_imrope); each component's angle is p * theta_scale^i, multiplied up
-        pair by pair in float32 as ggml does."""
+        pair by pair in float32 as ggml does. qwen3next's plain NEOX RoPE is the case where every pair takes p."""
         hp = self.hp
         pos = np.asarray(pos)
         if pos.ndim == 1:
@@ -158,8 +172,8 @@ class HybridReference:
         s = hp.rope_sections
         n_pairs, sect_dims = hp.n_rot // 2, sum(s)
         theta_scale = np.float32(hp.rope_theta) ** np.float32(-2.0 / hp.n_rot)
-        comp = np.empty(n_pairs, int)
-        for i in range(n_pairs):
+        comp = np.zeros(n_pairs, int)
+        for i in range(n_pairs if hp.arch == "qwen35" else 0):
             sector = i % sect_dims
             if sector % 3 == 1 and sector < 3 * s[1]:
                 comp[i] = 1
@@ -240,9 +254,13 @@ class HybridReference:
         hp, p = self.hp, f"blk.{layer}."
         qkv = self.linear(h, p + "attn_qkv")
         z = self.linear(h, p + "attn_gate").reshape(len(h), hp.n_v_heads, hp.head_v_dim)
-        beta = sigmoid(self.linear(h, p + "ssm_beta"))
-        log_decay = softplus(self.linear(h, p + "ssm_alpha") + self.w(p + "ssm_dt.bias")) * self.w(p + "ssm_a")
-        return qkv, z, beta, log_decay
+        if hp.arch == "qwen3next":  # per key head: its value heads' beta, then their alpha
+            ba = self.linear(h, p + "ssm_ba").reshape(len(h), hp.n_k_heads, 2, hp.n_v_heads // hp.n_k_heads)
+            b, a = ba[:, :, 0].reshape(len(h), -1), ba[:, :, 1].reshape(len(h), -1)
+        else:
+            b, a = self.linear(h, p + "ssm_beta"), self.linear(h, p + "ssm_alpha")
+        log_decay = softplus(a + self.w(p + "ssm_dt.bias")) * self.w(p + "ssm_a")
+        return qkv, z, sigmoid(b), log_decay
 
     def conv(self, layer: int, qkv: np.ndarray, conv_state: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:
@@ -269,17 +287,18 @@ class HybridReference:
         return self.l2norm(q), self.l2norm(k), v
 
     def value_to_key_heads(self) -> np.ndarray:
-        """The key head each value head reads: h % n_k_heads. The converter reorders value heads from HF's
-        grouped order (h // (n_v_heads / n_k_heads)) to this tiled one so that ggml_repeat can broadcast q and k;
-        the grouped pairing would not match the GGUF's weights."""
-        return np.arange(self.hp.n_v_heads) % self.hp.n_k_heads
+        """The key head each value head reads. qwen35: h % n_k_heads; the converter reorders value heads from HF's
+        grouped order (h // (n_v_heads / n_k_heads)) to this tiled one so that ggml_repeat can broadcast q and k,
+        and the grouped pairing would not match the GGUF's weights. qwen3next keeps the grouped order."""
+        h = np.arange(self.hp.n_v_heads)
+        return h // (self.hp.n_v_heads // self.hp.n_k_heads) if self.hp.arch == "qwen3next" else h % self.hp.n_k_heads
 
     def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, log_decay: np.ndarray, beta: np.ndarray,
                    state: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The gated delta rule, carried token by token in position order: (out [n, n_v_heads, head_v_dim],
         final state [n_v_heads, head_v_dim, head_k_dim]).
 
-        Per token t and value head h (key head h % n_k_heads, the GGUF's tiled head order):
+        Per token t and value head h (key head value_to_key_heads()[h]):
             S = exp(log_decay[t, h]) * S                 decay before the read, as the fused op does
             S += beta[t, h] * (v[t, h] - S k) k^T        the delta update: replace what S recalls for k
             out[t, h] = (S q) / sqrt(head_k_dim)"""
@@ -309,9 +328,33 @@ class HybridReference:
     # -- FFN and the whole model -------------------------------------------------------------------
 
     def ffn(self, layer: int, h: np.ndarray) -> np.ndarray:
-        """SiLU-gated MLP: ffn_down(silu(ffn_gate h) * ffn_up h)."""
+        """SiLU-gated MLP: ffn_down(silu(ffn_gate h) * ffn_up h); qwen3next: its mixture of experts."""
         p = f"blk.{layer}."
+        if self.hp.n_expert:
+            return self.moe(layer, h)
         return self.linear(silu(self.linear(h, p + "ffn_gate")) * self.linear(h, p + "ffn_up"), p + "ffn_down")
+
+    def moe(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """build_moe_ffn as qwen3next calls it: softmax over the router's logits, the n_expert_used most probable
+        experts, their probabilities renormalised to sum to one (and scaled when the file says so), each a SiLU
+        MLP; plus the shared expert's MLP times sigmoid(h . ffn_gate_inp_shexp)."""
+        hp, p = self.hp, f"blk.{layer}."
+        logits = self.linear(h, p + "ffn_gate_inp")
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        chosen = np.argsort(-probs, axis=1, kind="stable")[:, : hp.n_expert_used]
+        weights = np.take_along_axis(probs, chosen, axis=1)
+        weights /= np.maximum(weights.sum(axis=1, keepdims=True), 6.103515625e-5)
+        if hp.expert_weights_scale not in (0.0, 1.0):
+            weights *= hp.expert_weights_scale
+        gate, up, down = (self.w(p + f"ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
+        out = np.zeros_like(h)
+        for r in range(len(h)):
+            for e, wt in zip(chosen[r], weights[r]):
+                out[r] += wt * (down[e] @ (silu(gate[e] @ h[r]) * (up[e] @ h[r])))
+        shared = self.linear(silu(self.linear(h, p + "ffn_gate_shexp")) * self.linear(h, p + "ffn_up_shexp"),
+                             p + "ffn_down_shexp")
+        return out + shared * sigmoid(h @ self.w(p + "ffn_gate_inp_shexp.weight"))[:, None]
 
     def layer(self, layer: int, x: np.ndarray, pos: np.ndarray, cache: HybridCache | None = None) -> np.ndarray:
         """One block on the residual stream x [n, n_embd]; a cache is read and updated in place."""

@@ -1,4 +1,4 @@
-"""The RidgeFill arm on the hybrid qwen35 architecture, in NumPy, over the stock `HybridReference`.
+"""The RidgeFill arm on the hybrid qwen35 and qwen3next architectures, in NumPy, over the stock `HybridReference`.
 
 Layers [0, S) run every row exactly (with a cache, as stock). From S on, each prefix row is either filled (its
 layer-l input is predicted from x_S: A_l x_S + b_l for "ridge" at l > S, x_S itself for "identity" and at l = S,

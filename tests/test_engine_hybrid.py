@@ -1,5 +1,5 @@
-"""The engine's RidgeFill prefill on a hybrid of attention and Gated DeltaNet layers (qwen35) climbs the correctness
-ladder on the CPU: off is byte-identical to upstream, plumb and oracle give stock's bytes (decode steps included),
+"""The engine's RidgeFill prefill on a hybrid of attention and Gated DeltaNet layers (qwen35; qwen3next at the end)
+climbs the correctness ladder on the CPU: off is byte-identical to upstream, plumb and oracle give stock's bytes (decode steps included),
 resident and streamed maps agree to the byte, and the filled arms, the exact rows, the probe and the value rescale
 match the NumPy specification of the hybrid arm (reference_hybrid_ridgefill), whose wrong variants (states carried
 in the wrong order, exact rows fed their prediction, the probe's states kept) miss by 1e-1 or more
@@ -259,7 +259,7 @@ print(json.dumps({{"rows": rows, "same": same, "identical": probe.tobytes() == g
 
 
 # -- qwen3next: the same schedule through its own adapter (a mixture of experts, beta and alpha in one projection,
-# grouped value heads); no NumPy reference of it exists, so its ladder stops at stock's bytes and resident = streamed
+# grouped value heads, plain RoPE), and the same NumPy arm over its own stock reference
 
 
 @pytest.fixture(scope="module")
@@ -270,13 +270,17 @@ def next_hybrid(tmp_path_factory):
     src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), shape.n_embd,
                            dtype="f32", seed=6)
     tokens = [int(t) for t in np.random.default_rng(1).integers(1000, 5000, 100)]
-    return model, convert(src, d / "maps.gguf", model=model, outtype="f32").out, tokens
+    maps = convert(src, d / "maps.gguf", model=model, outtype="f32").out
+    g = read_gguf(maps)
+    mats = {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias"))
+            for l in range(SPLIT + 1, N_LAYER)}
+    return model, maps, tokens, mats, HybridReference(model)
 
 
 def test_qwen3next_off_is_byte_identical_to_upstream_and_plumb_oracle_and_nothing_filled_to_stock(next_hybrid,
                                                                                                  tmp_path):
     require_builds()
-    model, maps, tokens = next_hybrid
+    model, maps, tokens = next_hybrid[:3]
     text = "A hybrid of experts carries a recurrent state beside its attention cache. " * 8
     report = eq.check(model, [text], n_ctx=512, decode_steps=3, maps=maps,
                       cases=[eq.Case(64, 32, False), eq.Case(64, 27, True)])
@@ -294,7 +298,7 @@ def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed
     from ridgefill_gguf.maps.state_delta import write_state_deltas
 
     require_builds("ridgefill")
-    model, maps, tokens = next_hybrid
+    model, maps, tokens = next_hybrid[:3]
     shape = dataclasses.replace(tiny_shape("qwen3next"), n_layer=N_LAYER)
     state = shape.recurrent_state_shape
     corrected = write_state_deltas(maps, {il: np.full(state, 0.05, np.float32) for il in (4, 5, 6)},
@@ -316,6 +320,43 @@ def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed
                  ("stock", "ridge")):
         assert np.abs(arrays[a] - arrays[b]).max() > 1e-4, (a, b)
     assert stats["probe"]["n_probe_exact"] == 10 and stats["corrected"]["n_state_corrected"] == 3
+
+
+def test_qwen3next_s_fill_exact_rows_probe_rescale_and_correction_match_the_numpy_hybrid_arm(next_hybrid, tmp_path):
+    from ridgefill_gguf.maps.state_delta import write_state_deltas
+
+    require_builds("ridgefill")
+    model, maps, tokens, mats, ref = next_hybrid
+    hp, rng = ref.hp, np.random.default_rng(10)
+    deltas = {il: rng.normal(0, 0.5, (hp.n_v_heads, hp.head_v_dim, hp.head_k_dim)).astype(np.float32)
+              for il in (4, 5, 6)}
+    corrected = write_state_deltas(maps, deltas, tmp_path / "corrected.gguf")
+    exact_rows, n_probe, count, c = [5, 17, 40], 8, 10, 16
+    # a run's parameters stay set for the runs after it
+    runs = [{"name": "ridge", "rows": TAIL, "params": base()},
+            {"name": "rows", "rows": TAIL, "params": base(exact_rows=exact_rows)},
+            {"name": "corrected", "rows": TAIL, "params": base(state_correction=True)},
+            {"name": "rescale", "rows": TAIL, "params": base(rescale=[c, True, False], state_correction=False)},
+            {"name": "probe", "params": base(probe=[n_probe, count], rescale=[0, False, False])},
+            {"name": "probe_rows", "rows": TAIL, "params": base(probe=[n_probe, count], rescale=[0, False, False])}]
+    arrays, stats = run_engine(model, corrected, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    prefix = len(tokens) - TAIL
+    # the probe's run prefills all but the last token, which counts as tail: its probe rows end one row earlier
+    scores = hybrid_probe_scores(ref, tokens[:-1], SPLIT, TAIL - 1, n_probe, mats)
+    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    assert [r for r in stats["probe"]["exact_rows"] if r != 0] == ranked
+    scores = hybrid_probe_scores(ref, tokens, SPLIT, TAIL, n_probe, mats)
+    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    arm = lambda **kw: hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, **kw)[0]  # noqa: E731
+    want = {"ridge": arm(), "rows": arm(exact_rows=exact_rows), "rescale": arm(rescale_rows=c, rescale_values=True),
+            "corrected": arm(state_deltas={il: d.astype(np.float64) for il, d in deltas.items()}),
+            "probe_rows": arm(exact_rows=ranked)}
+    for name, expected in want.items():
+        err = rel(arrays[name], expected)
+        print(f"qwen3next {name}: rel {err:.2e} against NumPy, {rel(arrays[name], want['ridge']):.2e} from ridge")
+        assert err < TOLERANCE, (name, err)
+        assert name == "ridge" or rel(arrays[name], want["ridge"]) > 1e-4, name  # each arm moves the logits
+    assert stats["corrected"]["n_state_corrected"] == 3 and stats["rows"]["n_exact"] == stats["ridge"]["n_exact"] + 3
 
 
 def test_a_sequence_beyond_the_recurrent_memory_is_refused_by_name(hybrid):

@@ -302,7 +302,8 @@ print("APPLIED", st["applied"], st["n_filled"])
     assert "APPLIED 1" in run_py(code, "ridgefill").stdout
 
 
-def test_fit_measures_the_terminal_state_offsets_that_bring_a_filled_state_back_to_the_exact_one(texts, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen3next"])
+def test_fit_measures_the_terminal_state_offsets_that_bring_a_filled_state_back_to_the_exact_one(arch, texts, tmp_path):
     import dataclasses
 
     from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
@@ -311,7 +312,7 @@ def test_fit_measures_the_terminal_state_offsets_that_bring_a_filled_state_back_
 
     require_builds("ridgefill")
     calib, held = texts
-    model = write_random_model(tmp_path / "qwen35.gguf", dataclasses.replace(tiny_shape("qwen35"), n_layer=8), seed=2)
+    model = write_random_model(tmp_path / f"{arch}.gguf", dataclasses.replace(tiny_shape(arch), n_layer=8), seed=2)
     out = tmp_path / "maps.gguf"
     result = CliRunner().invoke(main, [*_fit_args(model, calib, held, out, "--split", "2", "--lambdas", "1e-3"),
                                        "--state-correction", "--state-every", "64", "--max-doc-tokens", "512",

@@ -1,5 +1,6 @@
-"""The NumPy qwen35 (Gated DeltaNet + gated attention) forward pass agrees with stock llama.cpp (CPU, F32 weights and
-cache, flash attention off), and the checks can fail: wrong recurrences do not agree."""
+"""The NumPy hybrid (Gated DeltaNet + gated attention) forward pass of qwen35 and qwen3next agrees with stock
+llama.cpp (CPU, F32 weights and cache, flash attention off), and the checks can fail: wrong recurrences, head
+orders, gate layouts and RoPE do not agree."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ import pytest
 from conftest import require_builds, run_py
 from ridgefill_gguf.gguf_io import read_gguf
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-from ridgefill_gguf.reference_hybrid import HybridCache, HybridReference
+from ridgefill_gguf.reference_hybrid import HybridCache, HybridReference, sigmoid, silu, softplus
 
 TOLERANCE = 1e-4   # max |diff| / max |logit|; measured 2e-6 .. 1.1e-5
 WRONG = 1e-2       # a wrong variant must miss by at least this (measured: about 1)
@@ -82,9 +83,14 @@ def models(tmp_path_factory):
     # a fourth RoPE section, which text tokens leave unrotated (position 0), and a theta that makes it count
     sections = dataclasses.replace(tiny_shape("qwen35"), rope_sections=(1, 1, 1, 1), rope_theta=100.0)
     four = write_random_model(folder / "four-sections.gguf", sections, seed=2)
+    # qwen3next: the same layers with a mixture of experts, beta and alpha in one projection, grouped value heads;
+    # a theta at which RoPE's kind shows
+    next_shape = dataclasses.replace(tiny_shape("qwen3next"), rope_theta=100.0)
+    next_stock = write_random_model(folder / "qwen3next.gguf", next_shape, seed=7)
     return {"stock": stock,
             "long-memory": long_memory_copy(stock, folder / "long-memory.gguf"),
-            "four-sections": long_memory_copy(four, folder / "four-sections-long-memory.gguf", seed=1)}
+            "four-sections": long_memory_copy(four, folder / "four-sections-long-memory.gguf", seed=1),
+            "qwen3next": long_memory_copy(next_stock, folder / "qwen3next-long-memory.gguf", seed=2)}
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +120,8 @@ def rel(ours, theirs) -> float:
     return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
-@pytest.mark.parametrize("name", ["stock", "long-memory", "four-sections"])
-def test_the_numpy_qwen35_forward_matches_llama_cpp_stock_logits(name, refs, llama_cpp_logits):
+@pytest.mark.parametrize("name", ["stock", "long-memory", "four-sections", "qwen3next"])
+def test_the_numpy_hybrid_forward_matches_llama_cpp_stock_logits(name, refs, llama_cpp_logits):
     tokens, theirs = llama_cpp_logits
     ours, inputs = refs[name].forward(tokens)
     err = rel(ours, theirs[name])
@@ -126,7 +132,7 @@ def test_the_numpy_qwen35_forward_matches_llama_cpp_stock_logits(name, refs, lla
     assert (ours.argmax(1) == theirs[name].argmax(1)).all()
 
 
-@pytest.mark.parametrize("name", ["stock", "long-memory"])
+@pytest.mark.parametrize("name", ["stock", "long-memory", "qwen3next"])
 def test_each_layer_given_llama_cpp_s_own_input_reproduces_llama_cpp_s_output(name, models, refs, llama_cpp_logits):
     """Layer by layer through the layer inputs the patched build (RidgeFill off) captures: each layer alone is
     within float32 rounding; the last layer's output is judged through the stock build's logits."""
@@ -205,6 +211,47 @@ class GroupedHeads(HybridReference):
         return np.arange(self.hp.n_v_heads) // (self.hp.n_v_heads // self.hp.n_k_heads)
 
 
+class TiledHeads(HybridReference):
+    """qwen35's tiled pairing, which qwen3next's graph (q and k repeated interleaved) does not follow."""
+
+    def value_to_key_heads(self):
+        return np.arange(self.hp.n_v_heads) % self.hp.n_k_heads
+
+
+class BetaAlphaInHalves(HybridReference):
+    """qwen3next's joint beta-alpha projection read as all betas then all alphas, not per key head."""
+
+    def gdn_projections(self, layer, h):
+        qkv, z, _, _ = super().gdn_projections(layer, h)
+        p, n_v = f"blk.{layer}.", self.hp.n_v_heads
+        ba = self.linear(h, p + "ssm_ba")
+        log_decay = softplus(ba[:, n_v:] + self.w(p + "ssm_dt.bias")) * self.w(p + "ssm_a")
+        return qkv, z, sigmoid(ba[:, :n_v]), log_decay
+
+
+class MultiSectionRope(HybridReference):
+    """qwen35's multi-section RoPE, where qwen3next rotates every pair with the position."""
+
+    def rope_angles(self, pos):
+        sections = dataclasses.replace(self.hp, arch="qwen35", rope_sections=(1, 1, 1, 1))
+        plain, self.hp = self.hp, sections
+        try:
+            return super().rope_angles(pos)
+        finally:
+            self.hp = plain
+
+
+class SharedExpertUngated(HybridReference):
+    """qwen3next's shared expert added without its sigmoid gate."""
+
+    def moe(self, layer, h):
+        p = f"blk.{layer}."
+        gated = super().moe(layer, h)
+        shared = self.linear(silu(self.linear(h, p + "ffn_gate_shexp")) * self.linear(h, p + "ffn_up_shexp"),
+                             p + "ffn_down_shexp")
+        return gated + shared * (1 - sigmoid(h @ self.w(p + "ffn_gate_inp_shexp.weight")))[:, None]
+
+
 def test_carrying_the_recurrence_in_reverse_order_does_not_match_llama_cpp(refs, llama_cpp_logits):
     tokens, theirs = llama_cpp_logits
     for name in ("stock", "long-memory"):
@@ -229,6 +276,17 @@ def test_value_heads_read_key_heads_in_tiled_order_not_in_hf_grouped_order(refs,
     assert ref.hp.n_v_heads > ref.hp.n_k_heads  # else both orders coincide
     err = rel(variant(GroupedHeads, ref).forward(tokens)[0], theirs["long-memory"])
     print(f"grouped heads: misses by {err:.2e}")
+    assert err > WRONG, err
+
+
+@pytest.mark.parametrize("wrong", [TiledHeads, BetaAlphaInHalves, MultiSectionRope, SharedExpertUngated])
+def test_qwen3next_s_grouped_heads_joint_gates_plain_rope_and_gated_shared_expert_are_what_llama_cpp_computes(
+        wrong, refs, llama_cpp_logits):
+    tokens, theirs = llama_cpp_logits
+    ref = refs["qwen3next"]
+    assert ref.hp.n_v_heads > ref.hp.n_k_heads and ref.hp.n_expert > ref.hp.n_expert_used
+    err = rel(variant(wrong, ref).forward(tokens)[0], theirs["qwen3next"])
+    print(f"{wrong.__name__}: misses by {err:.2e}")
     assert err > WRONG, err
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from ..maps import format as fmt
 from ..maps.convert import encode
 from ..maps.state_delta import measure_state_deltas, write_state_deltas
+from ..reference_hybrid import ARCHS as HYBRID_REFERENCE_ARCHS
 from ..util import save_figure, write_atomic
 from .capture import Capturer, iter_documents, sums_device
 from .score import CacheProjector, LayerScore, score_layer
@@ -196,9 +197,9 @@ def write_split_maps(out: Path, model_fp: fmt.ModelFingerprint, ss: SplitSums, l
 def validate(model_fp: fmt.ModelFingerprint, calib: list, heldout: list, opts: FitOptions) -> None:
     if opts.state_correction and not model_fp.recurrent_layers:
         raise FitError(f"--state-correction: '{model_fp.architecture}' has no recurrent layers to correct")
-    if opts.state_correction and model_fp.architecture != "qwen35":  # reference_hybrid is qwen35's forward
-        raise FitError(f"--state-correction: the offsets' NumPy measurement knows qwen35 only, not "
-                       f"'{model_fp.architecture}'")
+    if opts.state_correction and model_fp.architecture not in HYBRID_REFERENCE_ARCHS:
+        raise FitError(f"--state-correction: the offsets' NumPy measurement knows {', '.join(HYBRID_REFERENCE_ARCHS)}, "
+                       f"not '{model_fp.architecture}'")
     if model_fp.architecture not in SUPPORTED_ARCHS:
         raise FitError(f"architecture '{model_fp.architecture}' is not supported (supported: "
                        f"{', '.join(SUPPORTED_ARCHS)})")
