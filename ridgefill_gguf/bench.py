@@ -388,15 +388,21 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
 
 
 def phase_medians(stats: list[dict], phases: tuple[str, ...]) -> dict[str, float]:
-    """Median per phase, the engine's total and the server's wall time, and what the phases leave out of the total
-    (planning between the sweeps, the head's logits): time no phase accounts for shows here, not hidden."""
+    """Median per phase, the engine's total and the server's wall time, the recurrent layers' part of the late pass
+    (hybrids), and what the phases leave out of the total (planning between the sweeps, the head's logits): time no
+    phase accounts for shows here, not hidden."""
     med = {k: statistics.median(s[k] for s in stats) for k in phases}
-    for k in ("total_ms", "wall_ms"):
+    for k in ("total_ms", "wall_ms", "recurrent_ms"):
         if all(k in s for s in stats):
             med[k] = statistics.median(s[k] for s in stats)
     if "total_ms" in med:
         med["other_ms"] = statistics.median(s["total_ms"] - sum(s[k] for k in phases) for s in stats)
     return med
+
+
+def phase_cell(p: dict) -> str:
+    exact = f"{p['exact_ms']:.0f}" + (f" ({p['recurrent_ms']:.0f})" if p.get("recurrent_ms") else "")
+    return f"{p['early_ms']:.0f} / {p['fill_ms']:.0f} / {exact} / {p.get('other_ms', float('nan')):.0f}"
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -455,14 +461,12 @@ def markdown(r: dict) -> str:
              "(the tail reads its own prefix, nearly the whole context).", ""]
     lines += markdown_table(None, ["placement", "tokens", "exact (ms)", "RidgeFill (ms)", "speedup", "ceiling (MACs)",
                            "ceiling (1/r)", "share of MAC ceiling", "filled / exact / tail rows",
-                           "sweep one / fill / exact / other (ms)"],
+                           "sweep one / fill / exact (recurrent layers) / other (ms)"],
                     [[x["placement"], x["tokens"], f"{x['median_exact_ms']:.0f}", f"{x['median_ridgefill_ms']:.0f}",
                       f"{x['speedup']:.2f}x", f"{x['ceiling_macs']:.2f}x", f"{x['ceiling_layers']:.2f}x",
                       f"{100 * x['share_of_ceiling']:.0f}%",
                       f"{x['rows']['filled']} / {x['rows']['exact']} / {x['rows']['tail']}",
-                      f"{x['phases_ms']['early_ms']:.0f} / {x['phases_ms']['fill_ms']:.0f} / "
-                      f"{x['phases_ms']['exact_ms']:.0f} / {x['phases_ms'].get('other_ms', float('nan')):.0f}"]
-                     for x in r["rows"]])
+                      phase_cell(x["phases_ms"])] for x in r["rows"]])
     mem = [x for x in r["rows"] if x.get("peak_memory_mib", {}).get("ridgefill")]
     if mem:
         lines += markdown_table("Peak GPU memory in use (MiB; RidgeFill's buffers stay allocated once made, so the exact arm "
