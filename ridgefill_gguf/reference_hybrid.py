@@ -115,6 +115,28 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def swiglu(h: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """The SiLU-gated MLP of rows h with weights in numpy order: down(silu(gate h) * up h)."""
+    return (silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+
+def imrope_components(n_pairs: int, sections: tuple[int, ...]) -> np.ndarray:
+    """The position component (t, h, w, e) each rotary pair of multi-section RoPE takes: pair i from sector
+    i % sum(sections), interleaved t, h, w (ggml_mrope_cache_init with is_imrope), the rest from e."""
+    s, comp = sections, np.empty(n_pairs, int)
+    for i in range(n_pairs):
+        sector = i % sum(s)
+        if sector % 3 == 1 and sector < 3 * s[1]:
+            comp[i] = 1
+        elif sector % 3 == 2 and sector < 3 * s[2]:
+            comp[i] = 2
+        elif sector % 3 == 0 and sector < 3 * s[0]:
+            comp[i] = 0
+        else:
+            comp[i] = 3
+    return comp
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
@@ -159,33 +181,27 @@ class HybridReference:
 
     # -- full attention --------------------------------------------------------------------------
 
-    def rope_angles(self, pos: np.ndarray) -> np.ndarray:
-        """IMROPE angles [n, n_rot/2] for positions [n] (text: (p, p, p, 0)) or [4, n] (t, h, w, e).
+    def rope_components(self) -> np.ndarray:
+        """The position component each rotary pair takes: qwen35's multi-section layout, or for qwen3next's plain
+        NEOX RoPE the position itself (component 0) for every pair."""
+        n_pairs = self.hp.n_rot // 2
+        if self.hp.arch == "qwen35":
+            return imrope_components(n_pairs, self.hp.rope_sections)
+        return np.zeros(n_pairs, int)
 
-        Pair i takes its position component from sector i % sum(sections), interleaved t, h, w
-        (ggml_mrope_cache_init with is_imrope); each component's angle is p * theta_scale^i, multiplied up
-        pair by pair in float32 as ggml does. qwen3next's plain NEOX RoPE is the case where every pair takes p."""
+    def rope_angles(self, pos: np.ndarray) -> np.ndarray:
+        """RoPE angles [n, n_rot/2] for positions [n] (text: (p, p, p, 0)) or [4, n] (t, h, w, e): pair i takes
+        component rope_components()[i] of the position; each component's angle is p * theta_scale^i, multiplied
+        up pair by pair in float32 as ggml does."""
         hp = self.hp
         pos = np.asarray(pos)
         if pos.ndim == 1:
             pos = np.stack([pos, pos, pos, np.zeros_like(pos)])
-        s = hp.rope_sections
-        n_pairs, sect_dims = hp.n_rot // 2, sum(s)
+        comp = self.rope_components()
         theta_scale = np.float32(hp.rope_theta) ** np.float32(-2.0 / hp.n_rot)
-        comp = np.zeros(n_pairs, int)
-        for i in range(n_pairs if hp.arch == "qwen35" else 0):
-            sector = i % sect_dims
-            if sector % 3 == 1 and sector < 3 * s[1]:
-                comp[i] = 1
-            elif sector % 3 == 2 and sector < 3 * s[2]:
-                comp[i] = 2
-            elif sector % 3 == 0 and sector < 3 * s[0]:
-                comp[i] = 0
-            else:
-                comp[i] = 3
-        theta = np.empty((pos.shape[1], n_pairs), np.float32)
+        theta = np.empty((pos.shape[1], len(comp)), np.float32)
         t = pos.astype(np.float32)  # [4, n]
-        for i in range(n_pairs):
+        for i in range(len(comp)):
             theta[:, i] = t[comp[i]]
             t = (t * theta_scale).astype(np.float32)
         return theta.astype(np.float64)
@@ -329,15 +345,15 @@ class HybridReference:
 
     def ffn(self, layer: int, h: np.ndarray) -> np.ndarray:
         """SiLU-gated MLP: ffn_down(silu(ffn_gate h) * ffn_up h); qwen3next: its mixture of experts."""
-        p = f"blk.{layer}."
         if self.hp.n_expert:
-            return self.moe(layer, h)
-        return self.linear(silu(self.linear(h, p + "ffn_gate")) * self.linear(h, p + "ffn_up"), p + "ffn_down")
+            return self.routed_experts(layer, h) + self.shared_expert(layer, h)
+        p = f"blk.{layer}."
+        return swiglu(h, *(self.w(p + f"ffn_{k}.weight") for k in ("gate", "up", "down")))
 
-    def moe(self, layer: int, h: np.ndarray) -> np.ndarray:
+    def routed_experts(self, layer: int, h: np.ndarray) -> np.ndarray:
         """build_moe_ffn as qwen3next calls it: softmax over the router's logits, the n_expert_used most probable
         experts, their probabilities renormalised to sum to one (and scaled when the file says so), each a SiLU
-        MLP; plus the shared expert's MLP times sigmoid(h . ffn_gate_inp_shexp)."""
+        MLP."""
         hp, p = self.hp, f"blk.{layer}."
         logits = self.linear(h, p + "ffn_gate_inp")
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -349,12 +365,16 @@ class HybridReference:
             weights *= hp.expert_weights_scale
         gate, up, down = (self.w(p + f"ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
         out = np.zeros_like(h)
-        for r in range(len(h)):
-            for e, wt in zip(chosen[r], weights[r]):
-                out[r] += wt * (down[e] @ (silu(gate[e] @ h[r]) * (up[e] @ h[r])))
-        shared = self.linear(silu(self.linear(h, p + "ffn_gate_shexp")) * self.linear(h, p + "ffn_up_shexp"),
-                             p + "ffn_down_shexp")
-        return out + shared * sigmoid(h @ self.w(p + "ffn_gate_inp_shexp.weight"))[:, None]
+        for e in range(hp.n_expert):
+            rows, slot = np.nonzero(chosen == e)
+            out[rows] += weights[rows, slot, None] * swiglu(h[rows], gate[e], up[e], down[e])
+        return out
+
+    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """qwen3next's shared expert: its SiLU MLP times sigmoid(h . ffn_gate_inp_shexp)."""
+        p = f"blk.{layer}."
+        mlp = swiglu(h, *(self.w(p + f"ffn_{k}_shexp.weight") for k in ("gate", "up", "down")))
+        return mlp * sigmoid(h @ self.w(p + "ffn_gate_inp_shexp.weight"))[:, None]
 
     def layer(self, layer: int, x: np.ndarray, pos: np.ndarray, cache: HybridCache | None = None) -> np.ndarray:
         """One block on the residual stream x [n, n_embd]; a cache is read and updated in place."""

@@ -31,17 +31,28 @@ TOLERANCE = 2e-5  # max |engine - NumPy| / max |NumPy|; the stock forward itself
 def hybrid(tmp_path_factory):
     """8 layers: DeltaNet 0-2, attention 3, DeltaNet 4-6, attention 7, with slow decay so the states remember;
     split 2, so a DeltaNet layer sits at the split and both kinds are late; F32 maps for layers 3-7."""
-    d = tmp_path_factory.mktemp("engine-hybrid")
-    shape = dataclasses.replace(tiny_shape("qwen35"), n_layer=N_LAYER)
-    model = long_memory_copy(write_random_model(d / "stock.gguf", shape, seed=3), d / "long-memory.gguf")
+    return slow_decay_hybrid(tmp_path_factory.mktemp("engine-hybrid"), "qwen35", seed=3, tokens_seed=0)
+
+
+def slow_decay_hybrid(d, arch: str, seed: int, tokens_seed: int):
+    """(model, F32 maps for layers S+1.., their matrices, the NumPy reference, 100 tokens) for an N_LAYER-layer
+    random model of `arch` whose states remember (long_memory_copy)."""
+    shape = dataclasses.replace(tiny_shape(arch), n_layer=N_LAYER)
+    model = long_memory_copy(write_random_model(d / "stock.gguf", shape, seed=seed), d / f"{arch}.gguf")
     src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), shape.n_embd,
-                           dtype="f32", seed=4)
+                           dtype="f32", seed=seed + 1)
     maps = convert(src, d / "maps.gguf", model=model, outtype="f32").out
     g = read_gguf(maps)
     mats = {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias"))
             for l in range(SPLIT + 1, N_LAYER)}
-    tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 5000, 100)]
+    tokens = [int(t) for t in np.random.default_rng(tokens_seed).integers(1000, 5000, 100)]
     return model, maps, mats, HybridReference(model), tokens
+
+
+def numpy_ranked(ref, tokens, tail: int, mats, n_probe: int, count: int) -> list[int]:
+    """The prefix rows (position 0 aside) NumPy's probe ranks highest, in position order."""
+    scores = hybrid_probe_scores(ref, tokens, SPLIT, tail, n_probe, mats)
+    return sorted(sorted(range(1, len(tokens) - tail), key=lambda r: (-scores[r], r))[:count])
 
 
 def rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -117,15 +128,12 @@ def test_the_probe_on_a_hybrid_keeps_the_rows_numpy_ranks_highest_and_its_states
     runs = [{"name": "probe", "params": base(probe=[n_probe, count])},
             {"name": "probe_rows", "rows": TAIL, "params": base(probe=[n_probe, count])}]
     arrays, stats = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
-    prefix = len(tokens) - TAIL
     # the first run prefills all but the last token, which counts as tail: its probe rows end one row earlier
-    scores = hybrid_probe_scores(ref, tokens[:-1], SPLIT, TAIL - 1, n_probe, mats)
-    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    ranked = numpy_ranked(ref, tokens[:-1], TAIL - 1, mats, n_probe, count)
     got = [r for r in stats["probe"]["exact_rows"] if r != 0]
     print(f"engine {got}\nnumpy  {ranked}")
     assert stats["probe"]["n_probe_exact"] == count and got == ranked
-    scores = hybrid_probe_scores(ref, tokens, SPLIT, TAIL, n_probe, mats)
-    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    ranked = numpy_ranked(ref, tokens, TAIL, mats, n_probe, count)
     expected = hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, exact_rows=ranked)[0]
     err = rel(arrays["probe_rows"], expected)
     print(f"probe's tail logits: rel {err:.2e}")
@@ -266,23 +274,13 @@ print(json.dumps({{"rows": rows, "same": same, "identical": probe.tobytes() == g
 
 @pytest.fixture(scope="module")
 def next_hybrid(tmp_path_factory):
-    d = tmp_path_factory.mktemp("engine-qwen3next")
-    shape = dataclasses.replace(tiny_shape("qwen3next"), n_layer=N_LAYER)
-    model = long_memory_copy(write_random_model(d / "stock.gguf", shape, seed=5), d / "qwen3next.gguf")
-    src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), shape.n_embd,
-                           dtype="f32", seed=6)
-    tokens = [int(t) for t in np.random.default_rng(1).integers(1000, 5000, 100)]
-    maps = convert(src, d / "maps.gguf", model=model, outtype="f32").out
-    g = read_gguf(maps)
-    mats = {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias"))
-            for l in range(SPLIT + 1, N_LAYER)}
-    return model, maps, tokens, mats, HybridReference(model)
+    return slow_decay_hybrid(tmp_path_factory.mktemp("engine-qwen3next"), "qwen3next", seed=5, tokens_seed=1)
 
 
 def test_qwen3next_off_is_byte_identical_to_upstream_and_plumb_oracle_and_nothing_filled_to_stock(next_hybrid,
                                                                                                  tmp_path):
     require_builds()
-    model, maps, tokens = next_hybrid[:3]
+    model, maps, _, _, tokens = next_hybrid
     text = "A hybrid of experts carries a recurrent state beside its attention cache. " * 8
     report = eq.check(model, [text], n_ctx=512, decode_steps=3, maps=maps,
                       cases=[eq.Case(64, 32, False), eq.Case(64, 27, True)])
@@ -300,7 +298,7 @@ def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed
     from ridgefill_gguf.maps.state_delta import write_state_deltas
 
     require_builds("ridgefill")
-    model, maps, tokens = next_hybrid[:3]
+    model, maps, _, _, tokens = next_hybrid
     shape = dataclasses.replace(tiny_shape("qwen3next"), n_layer=N_LAYER)
     state = shape.recurrent_state_shape
     corrected = write_state_deltas(maps, {il: np.full(state, 0.05, np.float32) for il in (4, 5, 6)},
@@ -328,7 +326,7 @@ def test_qwen3next_s_fill_exact_rows_probe_rescale_and_correction_match_the_nump
     from ridgefill_gguf.maps.state_delta import write_state_deltas
 
     require_builds("ridgefill")
-    model, maps, tokens, mats, ref = next_hybrid
+    model, maps, mats, ref, tokens = next_hybrid
     hp, rng = ref.hp, np.random.default_rng(10)
     deltas = {il: rng.normal(0, 0.5, (hp.n_v_heads, hp.head_v_dim, hp.head_k_dim)).astype(np.float32)
               for il in (4, 5, 6)}
@@ -342,13 +340,10 @@ def test_qwen3next_s_fill_exact_rows_probe_rescale_and_correction_match_the_nump
             {"name": "probe", "params": base(probe=[n_probe, count], rescale=[0, False, False])},
             {"name": "probe_rows", "rows": TAIL, "params": base(probe=[n_probe, count], rescale=[0, False, False])}]
     arrays, stats = run_engine(model, corrected, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
-    prefix = len(tokens) - TAIL
     # the probe's run prefills all but the last token, which counts as tail: its probe rows end one row earlier
-    scores = hybrid_probe_scores(ref, tokens[:-1], SPLIT, TAIL - 1, n_probe, mats)
-    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    ranked = numpy_ranked(ref, tokens[:-1], TAIL - 1, mats, n_probe, count)
     assert [r for r in stats["probe"]["exact_rows"] if r != 0] == ranked
-    scores = hybrid_probe_scores(ref, tokens, SPLIT, TAIL, n_probe, mats)
-    ranked = sorted(sorted(range(1, prefix), key=lambda r: (-scores[r], r))[:count])
+    ranked = numpy_ranked(ref, tokens, TAIL, mats, n_probe, count)
     arm = lambda **kw: hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, **kw)[0]  # noqa: E731
     want = {"ridge": arm(), "rows": arm(exact_rows=exact_rows), "rescale": arm(rescale_rows=c, rescale_values=True),
             "corrected": arm(state_deltas={il: d.astype(np.float64) for il, d in deltas.items()}),

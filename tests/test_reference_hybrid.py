@@ -13,7 +13,8 @@ import pytest
 from conftest import require_builds, run_py
 from ridgefill_gguf.gguf_io import read_gguf
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-from ridgefill_gguf.reference_hybrid import HybridCache, HybridReference, sigmoid, silu, softplus
+from ridgefill_gguf.reference_hybrid import (HybridCache, HybridReference, imrope_components, sigmoid, softplus,
+                                             swiglu)
 
 TOLERANCE = 1e-4   # max |diff| / max |logit|; measured 2e-6 .. 1.1e-5
 WRONG = 1e-2       # a wrong variant must miss by at least this (measured: about 1)
@@ -232,24 +233,16 @@ class BetaAlphaInHalves(HybridReference):
 class MultiSectionRope(HybridReference):
     """qwen35's multi-section RoPE, where qwen3next rotates every pair with the position."""
 
-    def rope_angles(self, pos):
-        sections = dataclasses.replace(self.hp, arch="qwen35", rope_sections=(1, 1, 1, 1))
-        plain, self.hp = self.hp, sections
-        try:
-            return super().rope_angles(pos)
-        finally:
-            self.hp = plain
+    def rope_components(self):
+        return imrope_components(self.hp.n_rot // 2, (1, 1, 1, 1))
 
 
 class SharedExpertUngated(HybridReference):
     """qwen3next's shared expert added without its sigmoid gate."""
 
-    def moe(self, layer, h):
+    def shared_expert(self, layer, h):
         p = f"blk.{layer}."
-        gated = super().moe(layer, h)
-        shared = self.linear(silu(self.linear(h, p + "ffn_gate_shexp")) * self.linear(h, p + "ffn_up_shexp"),
-                             p + "ffn_down_shexp")
-        return gated + shared * (1 - sigmoid(h @ self.w(p + "ffn_gate_inp_shexp.weight")))[:, None]
+        return swiglu(h, *(self.w(p + f"ffn_{k}_shexp.weight") for k in ("gate", "up", "down")))
 
 
 def test_carrying_the_recurrence_in_reverse_order_does_not_match_llama_cpp(refs, llama_cpp_logits):
