@@ -158,3 +158,49 @@ def test_a_hybrid_yields_in_sweep_one_and_holds_the_context_through_its_late_lay
     scale = np.abs(a["none_mine"]).max()
     assert np.abs(a["all_mine"] - a["none_mine"]).max() <= 1e-4 * scale
     assert np.abs(a["all_other"] - a["none_other"]).max() <= 1e-4 * np.abs(a["none_other"]).max()
+
+
+PROGRESS_SCRIPT = r'''
+import json, sys
+import numpy as np
+from ridgefill_gguf.engine.session import Session
+from ridgefill_gguf.engine import bindings as B
+
+cfg = json.loads(sys.argv[1])
+S = Session(cfg["model"], n_ctx=1024, n_batch=64, n_ubatch=32, n_threads=2, maps=cfg["maps"])
+mine = [int(t) for t in np.random.default_rng(0).integers(1000, 5000, 300)]
+B.configure(S.ctx, **cfg["params"])
+before = B.prefill_progress(S.ctx)
+seen = []
+gen = B.prefill_steps(S.ctx, mine[:-1], seq=0, n_following=1)
+try:
+    while True:
+        next(gen)
+        seen.append(B.prefill_progress(S.ctx))
+except StopIteration as stop:
+    assert stop.value is True, "RidgeFill did not apply"
+print("RESULT " + json.dumps({"before": before, "seen": seen, "after": B.prefill_progress(S.ctx)}))
+'''
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_a_prefill_in_flight_reports_its_stages_in_order_and_its_progress_never_goes_back(arch, tmp_path):
+    require_builds("ridgefill")
+    model, maps = tiny_model_with_maps(tmp_path, arch, n_layer=8 if arch == "qwen35" else 4,
+                                       split=2 if arch == "qwen35" else 1)
+    cfg = {"model": str(model), "maps": str(maps), "params": PARAMS}
+    code = PROGRESS_SCRIPT.replace("cfg = json.loads(sys.argv[1])", f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
+    line = [l for l in run_py(code, build="ridgefill").stdout.splitlines() if l.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT "):])
+    assert res["before"] is None and res["after"] is None  # nothing in flight before begin or after the end
+    stages = [s for s, _, _ in res["seen"]]
+    order = [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s]
+    assert order[0] == "sweep one" and order[-1] in ("late layers", "done"), order
+    assert len(order) == len(set(order)), order  # each stage once: no stage comes back
+    assert set(order) <= {"sweep one", "probe", "fill", "late layers", "done"} and "probe" in order, order
+    for stage in set(stages):
+        got = [(d, t) for s, d, t in res["seen"] if s == stage]
+        assert all(0 <= d <= t for d, t in got) and len({t for _, t in got}) == 1, (stage, got)
+        assert [d for d, _ in got] == sorted(d for d, _ in got), (stage, got)
+    sweep = [(d, t) for s, d, t in res["seen"] if s == "sweep one"]
+    assert sweep[0] == (64, 299)  # one batch of 64 rows done of the 299 before the last token

@@ -44,6 +44,10 @@ def test_another_user_streaming_waits_no_longer_during_a_ridgefill_prefill_than_
     assert stock["rf"] is None and rf["rf"]["filled"] > 0 and rf["rf"]["slices"] > 1, rf["rf"]
     assert rf["others_tokens_during"] >= 2, rf  # the other user got tokens while the prefill ran
     assert rf["stall_max_s"] <= stock["stall_max_s"], (rf["stall_max_s"], stock["stall_max_s"])
+    # the log follows the prefill as it follows a stock prompt: a line as each stage begins, each two seconds within
+    log = (d / "sharing.log").read_text()
+    marks = [log.find(f"RidgeFill prefill: {stage}, ") for stage in ("sweep one", "late layers")]
+    assert 0 <= marks[0] < marks[1] < log.find("RidgeFill prefill: 2299 rows"), log[-3000:]
 
 
 def test_a_request_cancelled_in_the_middle_of_its_ridgefill_prefill_leaves_the_server_serving(smollm2_with_maps):

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 12
+API_VERSION = 13
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -66,6 +66,8 @@ _SIGNATURES = {
     "llama_ridgefill_prefill_step": (ctypes.c_int32, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_cancel": (None, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_active": (ctypes.c_int32, [ctypes.c_void_p]),
+    "llama_ridgefill_prefill_progress": (ctypes.c_char_p, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32),
+                                                           ctypes.POINTER(ctypes.c_int32)]),
     "llama_ridgefill_buffer_bytes": (ctypes.c_uint64, [ctypes.c_void_p]),
 }
 # llama_ridgefill_prefill_step's answers besides failure
@@ -303,6 +305,13 @@ def prefill_steps(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0)
 def prefill_active(ctx) -> int:
     """The sequence of the prefill in flight on ctx, -1 when there is none."""
     return _prefill_lib().llama_ridgefill_prefill_active(ctx)
+
+
+def prefill_progress(ctx) -> tuple[str, int, int] | None:
+    """How far the prefill in flight on ctx has come: (stage, done, total), None when there is none."""
+    done, total = ctypes.c_int32(0), ctypes.c_int32(0)
+    stage = _prefill_lib().llama_ridgefill_prefill_progress(ctx, ctypes.byref(done), ctypes.byref(total))
+    return None if stage is None else (stage.decode(), done.value, total.value)
 
 
 def buffer_bytes(ctx) -> int:
