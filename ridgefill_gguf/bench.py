@@ -108,6 +108,54 @@ def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_ro
     return c["stock"] / (c["early"] + c["fill"] + c["exact"] + c["probe"])
 
 
+def state_update_rows(shape: ModelShape, n: int, split: int, n_probe: int = 0) -> dict[str, int]:
+    """Rows through a Gated DeltaNet layer's state update, summed over its layers: stock runs every row through
+    every one; RidgeFill too (sweep one below the split, the carry above it over filled and exact rows alike),
+    and the probe's rows once more through the late ones."""
+    recurrent = [shape.is_recurrent(il) for il in range(shape.n_layer)]
+    late = sum(recurrent[split:])
+    return {"stock": sum(recurrent) * n, "ridgefill": sum(recurrent) * n + late * n_probe}
+
+
+def state_update_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, exact_ms: float,
+                         us_per_row: float, tail: int = 0, fill: str = "ridge", n_probe: int = 0) -> float:
+    """The MAC ceiling with each Gated DeltaNet layer's state update at its measured time per row (us_per_row,
+    tools/gpu/gdn_bench.cpp) instead of its arithmetic: upstream's kernel runs the rows in order, so it costs the
+    same in both arms. The other multiply-accumulates run at the rate that leaves the exact arm its measured
+    time."""
+    c = mac_counts(shape, n, split, n_filled, n_exact_rows, tail, fill, n_probe)
+    per_row = 4 * shape.ssm_dt_rank * shape.ssm_d_state * shape.head_v_dim  # the state's MACs in layer_macs
+    rows = state_update_rows(shape, n, split, n_probe)
+    stock_state_ms = rows["stock"] * us_per_row / 1000
+    if exact_ms <= stock_state_ms:
+        raise ValueError(f"the state update alone ({stock_state_ms:.0f} ms) is not less than the exact arm "
+                         f"({exact_ms:.0f} ms): us_per_row {us_per_row} does not belong to this run")
+    rate = (c["stock"] - rows["stock"] * per_row) / (exact_ms - stock_state_ms)  # MACs per ms
+    rf_macs = c["early"] + c["fill"] + c["exact"] + c["probe"] - rows["ridgefill"] * per_row
+    return exact_ms / (rf_macs / rate + rows["ridgefill"] * us_per_row / 1000)
+
+
+def add_state_update_ceilings(r: dict, us_per_row: float) -> dict:
+    """A hybrid result's rows and selectors with state_update_ceiling and the share of it each reached."""
+    shape = ModelShape(**{"arch": "unknown", **r["shape"]})
+    r["state_update_us_per_row"] = us_per_row
+    base = {(x["placement"], x["tokens"]): x for x in r["rows"]}
+    for x in r["rows"]:
+        rows = x["rows"]
+        x["ceiling_state"] = state_update_ceiling(shape, x["tokens"], r["split"], rows["filled"],
+                                                  rows["exact"] + rows["tail"], x["median_exact_ms"], us_per_row,
+                                                  tail=rows["tail"], fill=split_placement(x["placement"])[1])
+        x["share_of_state_ceiling"] = x["speedup"] / x["ceiling_state"]
+    for x in r.get("selectors") or []:
+        b = base[(x["placement"], x["tokens"])]
+        n_exact = x["selected"] + b["rows"]["exact"] + b["rows"]["tail"]
+        x["ceiling_state"] = state_update_ceiling(shape, x["tokens"], r["split"], x["prefix"] - x["selected"] -
+                                                  b["rows"]["exact"], n_exact, b["median_exact_ms"], us_per_row,
+                                                  tail=b["rows"]["tail"], n_probe=x["probe_rows"])
+        x["share_of_state_ceiling"] = x["speedup_vs_exact"] / x["ceiling_state"]
+    return r
+
+
 class DeviceMemory:
     """GPU memory in use over time (one `nvidia-smi -lms` stream, MiB), to read the peak of a time window, and any
     other `fields` nvidia-smi reports (SM clock, power, temperature) to average over one.
@@ -188,10 +236,12 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
               threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
               label: str | None = None, min_prefix: int | None = None, extra: tuple[str, ...] = (),
               vs_upstream: bool = False, selectors: tuple[str, ...] = (), exact_shares: tuple[float, ...] = (),
-              log: Callable[[str], None] = print) -> dict:
+              state_update_us: float | None = None, log: Callable[[str], None] = print) -> dict:
     """selectors: per length, RidgeFill with each exact-row selector (per request) beside plain RidgeFill.
     exact_shares: per length, RidgeFill with that share of the prefix as random exact rows, for the line
-    tau(E) = tau0 + E sigma of paper Appendix H and kappa, an exact prefix row's cost over a tail row's."""
+    tau(E) = tau0 + E sigma of paper Appendix H and kappa, an exact prefix row's cost over a tail row's.
+    state_update_us: a hybrid's state update per row and layer as tools/gpu/gdn_bench.cpp measured it on this
+    device, for the ceilings that time it (add_state_update_ceilings)."""
     shape = ModelShape.from_gguf(model)
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
@@ -211,6 +261,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                   "ridgefill_vs_upstream": against_upstream(rows, off_rows), "stock_warmup": warmups,
                   "selectors": sel_rows, "exact_rows_line": lines, "build": {**build_identity(), "servers": builds},
                   "environment": engine_environment()}
+        if state_update_us and rows:
+            add_state_update_ceilings(result, state_update_us)
         stem = f"{result['date']}-{label or Path(model).stem}"
         write_atomic(out_dir / f"{stem}.json", json.dumps(result, indent=2) + "\n")
         write_atomic(out_dir / f"{stem}.md", markdown(result))
@@ -486,6 +538,15 @@ def markdown(r: dict) -> str:
                           f"{x['ceiling_macs']:.2f}x" if "ceiling_macs" in x else "",
                           f"{100 * x['share_of_ceiling']:.0f}%" if "share_of_ceiling" in x else ""]
                          for x in r["selectors"]])
+    if r.get("state_update_us_per_row"):
+        arms = [(x["placement"], x["tokens"], "plain", x["speedup"], x) for x in r["rows"]] + \
+               [(x["placement"], x["tokens"], x["selector"], x["speedup_vs_exact"], x) for x in r.get("selectors") or []]
+        lines += markdown_table(f"With each Gated DeltaNet layer's state update at its measured "
+                        f"{r['state_update_us_per_row']:.3f} us per row (upstream's kernel, tools/gpu/gdn_bench.cpp) "
+                        "in both arms, the other multiply-accumulates at the rate the exact arm leaves them:",
+                        ["placement", "tokens", "arm", "speedup", "ceiling (MACs, state update timed)", "share"],
+                        [[p, n, arm, f"{sp:.2f}x", f"{x['ceiling_state']:.2f}x",
+                          f"{100 * x['share_of_state_ceiling']:.0f}%"] for p, n, arm, sp, x in arms])
     if r.get("exact_rows_line"):
         lines += markdown_table("Exact prefix rows and time (paper Appendix H: tau(E) = tau0 + E sigma; kappa = sigma over a "
                         "tail row's late-layer time; random rows, medians):",

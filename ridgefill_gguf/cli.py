@@ -454,8 +454,11 @@ def serve(model, maps, tail, placement, min_prefix, select, exact_share, budget,
               help="also time RidgeFill with this exact-row selector (repeatable)")
 @click.option("--exact-shares", default=None,
               help="comma-separated shares of the prefix run as random exact rows: the line tau(E) and kappa")
+@click.option("--state-update-us", type=float, default=None,
+              help="a hybrid's Gated DeltaNet state update per row and layer on this device, in microseconds "
+                   "(tools/gpu/bench-gdn.sh measures it): adds the ceilings that time it")
 def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label, vs_upstream,
-          selectors, exact_shares) -> None:
+          selectors, exact_shares, state_update_us) -> None:
     """Time to first token of MODEL, exact against RidgeFill, side by side on one server; JSON, Markdown, PNG."""
     from .bench import run_bench
 
@@ -463,7 +466,7 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
                        placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
                        threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream,
                        selectors=tuple(selectors), exact_shares=_floats(exact_shares) if exact_shares else (),
-                       log=click.echo)
+                       state_update_us=state_update_us, log=click.echo)
     click.echo(Path(result["files"][1]).read_text())
     click.echo("wrote " + ", ".join(result["files"]))
 

@@ -244,6 +244,54 @@ def test_the_hybrid_mac_ceiling_charges_what_a_filled_row_still_does_in_a_deltan
     assert mac_ceiling(skipped, n, split, n - tail - 1, tail + 1, tail=tail) > plain
 
 
+def test_the_state_update_ceiling_times_each_deltanet_row_the_same_in_both_arms():
+    from ridgefill_gguf.bench import mac_counts, state_update_ceiling, state_update_rows
+    from ridgefill_gguf.random_gguf import REAL_SHAPES
+
+    s = REAL_SHAPES["qwen35-27b"]
+    n, split, tail, exact_ms = 32768, 16, 4096, 12550.0
+    args = (s, n, split, n - tail - 1, tail + 1)
+    # every row crosses all 48 DeltaNet layers in both arms; the probe's rows cross the 36 late ones once more
+    assert state_update_rows(s, n, split) == {"stock": 48 * n, "ridgefill": 48 * n}
+    assert state_update_rows(s, n, split, n_probe=256)["ridgefill"] == 48 * n + 36 * 256
+    # an independent count: the state's MACs leave both sums, its time joins both at us_per_row
+    c, us = mac_counts(*args, tail=tail), 1.2385
+    state = 4 * 48 * 128 * 128
+    rate = (c["stock"] - 48 * n * state) / (exact_ms - 48 * n * us / 1000)
+    rf_ms = (c["early"] + c["fill"] + c["exact"] - 48 * n * state) / rate + 48 * n * us / 1000
+    got = state_update_ceiling(*args, exact_ms, us, tail=tail)
+    assert got == pytest.approx(exact_ms / rf_ms, rel=1e-12)
+    print(f"27B hybrid at 32K: MAC ceiling {mac_ceiling(*args, tail=tail):.3f}x, {got:.3f}x with the state update "
+          f"at {us} us per row")
+    # a state update that costs time RidgeFill cannot remove lowers the ceiling, the more the dearer it is
+    assert 1.0 < state_update_ceiling(*args, exact_ms, 3.0, tail=tail) < got < mac_ceiling(*args, tail=tail)
+    # a dense model has no state update: the ceiling is the MAC ceiling whatever the time per row
+    dense = ModelShape("qwen3", 36, 4096, 12288, 32, 8, 128)
+    assert state_update_ceiling(dense, n, 13, n - tail - 1, tail + 1, 4000.0, 5.0, tail=tail) == \
+        pytest.approx(mac_ceiling(dense, n, 13, n - tail - 1, tail + 1, tail=tail), rel=1e-12)
+    with pytest.raises(ValueError, match="state update alone"):
+        state_update_ceiling(*args, 1000.0, us, tail=tail)
+
+
+def test_a_results_state_update_ceilings_count_each_selectors_exact_rows_as_its_mac_ceiling_did():
+    from ridgefill_gguf.bench import add_state_update_ceilings, markdown, state_update_ceiling
+
+    r = json.loads((ROOT / "results/bench/2026-12-03-qwen35-27b-q8_0-shape-h200-patch0043.json").read_text())
+    shape = ModelShape(**r["shape"])
+    add_state_update_ceilings(r, 0.0)
+    for x in r["rows"]:  # with a free state update, only the state's MACs leave the count
+        assert x["ceiling_state"] == pytest.approx(x["ceiling_macs"], rel=0.01)
+    for x in r["selectors"]:
+        assert x["ceiling_state"] == pytest.approx(x["ceiling_macs"], rel=0.01)
+        b = next(y for y in r["rows"] if y["tokens"] == x["tokens"])
+        exact = x["selected"] + b["rows"]["exact"]
+        assert x["ceiling_state"] == state_update_ceiling(shape, x["tokens"], r["split"], x["prefix"] - exact,
+                                                          exact + b["rows"]["tail"], b["median_exact_ms"], 0.0,
+                                                          tail=b["rows"]["tail"], n_probe=x["probe_rows"])
+    assert "state update timed" in markdown(add_state_update_ceilings(r, 1.2385))
+    assert all(x["ceiling_state"] < x["ceiling_macs"] for x in r["rows"] + r["selectors"])
+
+
 def test_the_memory_bench_reads_llama_cpps_breakdown_rows_and_compute_growth():
     from ridgefill_gguf.bench_memory import compute_growth, parse_breakdown
     log = ("common_memory_breakdown_print: | memory breakdown [MiB] | total   free    self   model   context   compute"

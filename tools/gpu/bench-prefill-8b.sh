@@ -3,7 +3,8 @@
 # random model PRESET makes (default Qwen3-8B-shaped, split 13), tail TAIL (4096), resident and streamed (issue 5).
 # Results in $OUT/bench.
 #   TOKENS=16384,32768,65536 [PLACEMENTS=resident,streamed] [UBATCH=512] [VS_UPSTREAM=1] [LABEL=...] \
-#       [SELECT=probe,random] [EXACT_SHARES=0.1,0.2,0.3] bash tools/gpu/bench-prefill-8b.sh
+#       [SELECT=probe,random] [EXACT_SHARES=0.1,0.2,0.3] [STATE_US=1.24] bash tools/gpu/bench-prefill-8b.sh
+# STATE_US: a hybrid's state update per row and layer (tools/gpu/bench-gdn.sh), for the ceilings that time it.
 # SELECT and EXACT_SHARES: issue 8's cost (the selectors beside plain RidgeFill; the line tau(E) and kappa).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -25,6 +26,7 @@ r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=int(os.environ.get("TAIL",
               label=os.environ.get("LABEL", f"{os.environ.get('PRESET', 'qwen3-8b')}-{os.environ.get('DTYPE', 'q8_0')}-shape-h200"), vs_upstream=os.environ.get("VS_UPSTREAM") == "1",
               selectors=tuple(x for x in os.environ.get("SELECT", "").split(",") if x),
               exact_shares=tuple(float(x) for x in os.environ.get("EXACT_SHARES", "").split(",") if x),
+              state_update_us=float(os.environ["STATE_US"]) if os.environ.get("STATE_US") else None,
               # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it, and 128K prompts need
               # room for the generated token above 131,072
               extra=("--override-kv", f"{arch}.context_length=int:262144") + (("-b", ub, "-ub", ub) if ub else ()))

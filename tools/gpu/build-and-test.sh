@@ -46,6 +46,11 @@ export JOBS=${JOBS:-16} RIDGEFILL_CUDA=1 CUDA_ARCH=${CUDA_ARCH:-90}
 # $ORIGIN run paths: each build's copied bin/ loads its own libllama
 export EXTRA_CMAKE_ARGS="-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON ${EXTRA_CMAKE_ARGS:-}"
 t0=$(date +%s)
+# a build an earlier call packed (tools/gpu/pack-build.sh) and this one carried: used below if its series matches
+for t in ridgefill upstream; do
+    parts=("$repo/.cache/device/out-$t.tar.xz.part"*)
+    [ -e "${parts[0]}" ] && [ ! -d "$work/out-$t" ] && cat "${parts[@]}" | xz -d | tar -x -C "$work"
+done
 for t in ${RIDGEFILL_GPU_TREES:-ridgefill upstream}; do
     want=$([ "$t" = upstream ] && echo upstream || echo "$series")
     out="$work/out-$t"
