@@ -21,7 +21,7 @@ from .util import hardware, write_atomic
 
 _GPU_ROW = re.compile(r"\|\s+- (\S+) \((.*?)\)\s*\|\s*(\d+)\s*=\s*(\d+)\s*\+\s*\(\s*(\d+)\s*=\s*(\d+)\s*\+\s*(\d+)\s*\+"
                       r"\s*(\d+)\s*\)\s*\+\s*(-?\d+)")
-_COMPUTE_GREW = re.compile(r"(\S+) compute buffer size of ([\d.]+) MiB, does not match expectation of ([\d.]+) MiB")
+_COMPUTE_GREW = re.compile(r"(\S+) compute buffer size of\s+([\d.]+) MiB, does not match expectation of\s+([\d.]+) MiB")
 _HOST_ROW = re.compile(r"\|\s+- Host\s*\|\s*(\d+)\s*=\s*(\d+)\s*\+\s*(\d+)\s*\+\s*(\d+)")
 
 # the arms each patched server runs, as request fields; upstream runs the stock one only

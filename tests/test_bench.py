@@ -307,3 +307,6 @@ def test_the_memory_bench_reads_llama_cpps_breakdown_rows_and_compute_growth():
                           "compute": 517, "unaccounted": 3154}
     assert b["Host"] == {"self": 1210, "model": 1050, "context": 0, "compute": 160}
     assert compute_growth(log) == {"CUDA0": {"held_mib": 3328.625, "reserved_mib": 224.2599}}
+    # llama.cpp pads small sizes to their width (%8.4f)
+    padded = "W ~llama_context:        CPU compute buffer size of  10.1719 MiB, does not match expectation of   5.3926 MiB"
+    assert compute_growth(padded) == {"CPU": {"held_mib": 10.1719, "reserved_mib": 5.3926}}

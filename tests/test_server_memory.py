@@ -85,3 +85,24 @@ def test_a_ridgefill_prefill_within_the_tail_grows_nothing_beyond_what_attach_re
     grown = compute_growth(rf).get("CPU")
     held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", rf)[-1])
     assert abs(held - reserved) < 0.01, (held, reserved)
+
+
+def test_a_hybrids_ridgefill_prefill_needs_no_compute_buffer_beyond_what_attach_reserved(tmp_path):
+    # a wide model, small ubatches and flash attention off: the carry's chunk of every row (up to 4,096) outgrows
+    # the exact rows' graphs of a ubatch, so a compute buffer sized without the recurrent graphs grows at once
+    require_builds("ridgefill")
+    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+
+    model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2, n_embd=1024)
+    extra = ("-fa", "off", "-b", "64", "-ub", "64", "-v", "--override-kv", "qwen35.context_length=int:8192")
+    with Server(model, maps, n_ctx=4096, threads=2, extra=extra, log_path=tmp_path / "hybrid.log", tail=256,
+                min_prefix=0) as srv:
+        for select in ("none", "probe"):
+            r = srv.complete([1000 + (i * 7919) % 20000 for i in range(3900)], n_predict=1, ridgefill=True,
+                             ridgefill_select=select, cache_prompt=False)
+            assert r["timings"]["ridgefill"]["filled"] > 0, r["timings"]
+    log = (tmp_path / "hybrid.log").read_text(errors="replace")
+    reserved = float(re.findall(r"RidgeFill's graphs reserved: CPU compute buffer ([\d.]+) MiB", log)[-1])
+    grown = compute_growth(log).get("CPU")
+    held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", log)[-1])
+    assert abs(held - reserved) < 0.01, (held, reserved, grown)
