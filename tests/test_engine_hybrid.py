@@ -169,6 +169,22 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_hybrid(hybri
         assert out["resident"][run["name"]].tobytes() == out["streamed"][run["name"]].tobytes(), run["name"]
 
 
+def test_the_carrys_chunk_moves_the_logits_only_by_float_rounding_on_a_hybrid(hybrid, tmp_path):
+    # the states and the conv window carry from one chunk to the next exactly; only the products' rounding follows
+    # the number of rows per graph. 0 is the fill's chunk, 48 here
+    require_builds("ridgefill")
+    model, maps, _, _, tokens = hybrid
+    arms = {"ridge": {}, "exact rows": {"exact_rows": [5, 30, 31, 60]}, "probe": {"probe": [8, 10]}}
+    runs = [{"name": f"{arm}|{rc}", "params": {**base(**kw), "recurrent_chunk": rc}}
+            for arm, kw in arms.items() for rc in (0, 48, 1, 7, 100)]
+    arrays, stats = run_engine(model, maps, runs, tokens=tokens, tmp_path=tmp_path)
+    for arm in arms:
+        assert stats[f"{arm}|0"]["n_filled"] > 0
+        assert arrays[f"{arm}|48"].tobytes() == arrays[f"{arm}|0"].tobytes(), arm
+        for rc in (1, 7, 100):
+            assert rel(arrays[f"{arm}|{rc}"], arrays[f"{arm}|0"]) <= 1e-5, (arm, rc)
+
+
 @pytest.fixture(scope="module")
 def corrected(hybrid, tmp_path_factory):
     """The hybrid's maps with random terminal-state offsets for the late DeltaNet layers 4-6 (not the split's)."""

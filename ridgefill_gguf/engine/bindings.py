@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 13
+API_VERSION = 14
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -111,7 +111,8 @@ class Params(ctypes.Structure):
                 ("probe_rows", ctypes.c_int32), ("probe_budget", ctypes.c_float), ("probe_share", ctypes.c_float),
                 ("attention_share", ctypes.c_float), ("protected_share", ctypes.c_float),
                 ("whole_numbers", ctypes.c_bool), ("rescale_rows", ctypes.c_int32), ("rescale_values", ctypes.c_bool),
-                ("rescale_keys", ctypes.c_bool), ("logits_rows", ctypes.c_int32), ("state_correction", ctypes.c_bool)]
+                ("rescale_keys", ctypes.c_bool), ("logits_rows", ctypes.c_int32), ("state_correction", ctypes.c_bool),
+                ("recurrent_chunk", ctypes.c_int32)]
 
 
 _SIGNATURES["llama_ridgefill_default_params"] = (Params, [])
@@ -185,7 +186,7 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 # configure's keywords, in the order it applies them; probe and probe_budget replace each other
 CONFIG_KEYS = ("tail", "fill", "exact_rows", "exact_random", "chunk", "min_prefix", "logits_rows", "probe",
                "probe_budget", "random_budget", "protected", "rescale", "whole_numbers", "blind", "attention",
-               "state_correction")
+               "state_correction", "recurrent_chunk")
 _REPLACES = {"probe": "probe_budget", "probe_budget": "probe"}
 # what configure has been given per context (by address): each call sets the whole configuration again, since
 # llama_ridgefill_set_params turns the research controls off
@@ -198,7 +199,7 @@ def _ctx_key(ctx) -> int:
 
 def configure(ctx, **kw) -> None:
     """Set prefill parameters on a context with maps attached; a keyword left out (or None) keeps the value it was
-    given before. tail, chunk, min_prefix, logits_rows, whole_numbers: as named; probe_budget (rows, factor),
+    given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers: as named; probe_budget (rows, factor),
     protected (share), rescale (rows, values, keys) and attention (query rows, share[, layers]) set the production
     parameters; fill, exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and
     blind are research controls."""
@@ -221,7 +222,8 @@ def _apply(ctx, c: dict) -> None:
     p = lib.llama_ridgefill_default_params()
     for key, field in (("tail", "n_tail"), ("chunk", "chunk"), ("min_prefix", "min_prefix"),
                        ("logits_rows", "logits_rows"), ("whole_numbers", "whole_numbers"),
-                       ("protected", "protected_share"), ("state_correction", "state_correction")):
+                       ("protected", "protected_share"), ("state_correction", "state_correction"),
+                       ("recurrent_chunk", "recurrent_chunk")):
         if key in c:
             setattr(p, field, c[key])
     if "probe" in c:
