@@ -58,3 +58,14 @@ def test_the_filled_arm_and_the_probe_on_a_hybrid_follow_numpy_on_cuda(hybrid, t
     print(f"probe on CUDA {got}, NumPy {ranked}")
     assert len(set(got) & set(ranked)) >= 9  # a near-tie may swap at the edge under CUDA's rounding
     assert np.isfinite(arrays["probe"]).all()
+
+
+def test_the_carrys_chunk_moves_a_hybrids_logits_only_by_float_rounding_on_cuda(hybrid, tmp_path):
+    require_cuda_builds("ridgefill")
+    model, maps, _, _, tokens = hybrid
+    runs = [{"name": f"{arm}|{rc}", "params": {**base(**kw), "recurrent_chunk": rc}}
+            for arm, kw in {"ridge": {}, "probe": {"probe": [8, 10]}}.items() for rc in (0, 1, 7, 100)]
+    arrays, _ = run_engine(model, maps, runs, session=GPU, tokens=tokens, tmp_path=tmp_path)
+    for arm in ("ridge", "probe"):
+        for rc in (1, 7, 100):
+            assert rel(arrays[f"{arm}|{rc}"], arrays[f"{arm}|0"]) <= 1e-4, (arm, rc)
