@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On the GPU machine, after tools/gpu/prepare-8b.sh (PRESET=qwen35-27b DTYPE=q8_0 SPLIT=16): the hybrid runs issue 20
+# still needs, each under its own time limit so that one that stalls leaves the others their time. Each run's
+# results and server log go to $OUT/bench, packed at the end into one $OUT/hybrid-runs.tar.xz (the device tool
+# brings back at most 8 files).
+#   RUNS="probe128k recurrent32k chunk512 streamed64k" [LIMIT_S=240] bash tools/gpu/hybrid-runs.sh
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+out="${OUT:-$repo/results}"
+export PRESET=${PRESET:-qwen35-27b} DTYPE=${DTYPE:-q8_0} SPLIT=${SPLIT:-16} REPEATS=${REPEATS:-1}
+export STATE_US=${STATE_US:-1.24} SELECT=${SELECT:-probe}
+tag="$PRESET-$DTYPE-shape-h200"
+
+run() {  # run NAME VAR=VALUE...: one bench under the limit; a stalled one is stopped with its server
+    local name=$1; shift
+    echo "hybrid-runs: $name ($*)"
+    env "$@" LABEL="$tag-$name" timeout --kill-after=10 "${LIMIT_S:-240}" bash "$repo/tools/gpu/bench-prefill-8b.sh" \
+        > "$out/bench/run-$name.log" 2>&1
+    local rc=$?
+    pkill -f "bin/llama-server" || true
+    for log in "$out"/bench/server-*.log; do
+        [ -f "$log" ] && mv "$log" "$out/bench/$name-$(basename "$log")"
+    done
+    tail -12 "$out/bench/run-$name.log"
+    [ $rc -eq 0 ] || echo "hybrid-runs: $name stopped (rc $rc)"
+}
+
+mkdir -p "$out/bench"
+for r in ${RUNS:-probe128k recurrent32k chunk512}; do
+    case "$r" in
+        probe128k)    run "$r" TOKENS=131072 PLACEMENTS=resident ;;
+        recurrent32k) run "$r" TOKENS=32768 PLACEMENTS=resident ;;
+        chunk512)     run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 512" ;;
+        streamed64k)  run "$r" TOKENS=65536 PLACEMENTS=streamed ;;
+        *)            echo "hybrid-runs: unknown run '$r'" >&2 ;;
+    esac
+done
+if [ -n "${OUT:-}" ]; then  # on the device: one file back instead of four per run
+    tar -cJf "$OUT/hybrid-runs.tar.xz" -C "$OUT" bench && rm -rf "$OUT/bench" && ls -la "$OUT/hybrid-runs.tar.xz"
+fi
