@@ -64,10 +64,11 @@ def layer_macs(s: ModelShape) -> dict[str, float]:
     gate = q if s.arch == "qwen35" else 0  # qwen35's query projection carries an output gate beside each head
     hk, nk, nv, hv = s.ssm_d_state, s.ssm_n_group, s.ssm_dt_rank, s.head_v_dim
     conv = 2 * nk * hk + nv * hv
-    gdn_fill = s.n_embd * (conv + 2 * nv) + s.ssm_d_conv * conv + 4 * nv * hk * hv
+    state = 4 * nv * hk * hv
+    gdn_fill = s.n_embd * (conv + 2 * nv) + s.ssm_d_conv * conv + state
     return {"attention": s.n_embd * (q + gate + 2 * kv) + q * s.n_embd + ffn, "attention_fill": s.n_embd * 2 * kv,
             "deltanet": gdn_fill + 2 * nv * hv * s.n_embd + ffn, "deltanet_fill": gdn_fill,
-            "cell": 2 * s.n_head * s.head_dim}
+            "deltanet_state": state, "cell": 2 * s.n_head * s.head_dim}
 
 
 def mac_counts(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
@@ -124,7 +125,7 @@ def state_update_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n
     same in both arms. The other multiply-accumulates run at the rate that leaves the exact arm its measured
     time."""
     c = mac_counts(shape, n, split, n_filled, n_exact_rows, tail, fill, n_probe)
-    per_row = 4 * shape.ssm_dt_rank * shape.ssm_d_state * shape.head_v_dim  # the state's MACs in layer_macs
+    per_row = layer_macs(shape)["deltanet_state"]
     rows = state_update_rows(shape, n, split, n_probe)
     stock_state_ms = rows["stock"] * us_per_row / 1000
     if exact_ms <= stock_state_ms:

@@ -199,9 +199,9 @@ def _ctx_key(ctx) -> int:
 
 def configure(ctx, **kw) -> None:
     """Set prefill parameters on a context with maps attached; a keyword left out (or None) keeps the value it was
-    given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers: as named; probe_budget (rows, factor),
-    protected (share), rescale (rows, values, keys) and attention (query rows, share[, layers]) set the production
-    parameters; fill, exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and
+    given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers: as named; probe_budget
+    (rows, factor), protected (share), rescale (rows, values, keys) and attention (query rows, share[, layers]) set
+    the production parameters; fill, exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and
     blind are research controls."""
     unknown = sorted(set(kw) - set(CONFIG_KEYS))
     if unknown:
