@@ -60,12 +60,20 @@ def test_the_filled_arm_and_the_probe_on_a_hybrid_follow_numpy_on_cuda(hybrid, t
     assert np.isfinite(arrays["probe"]).all()
 
 
-def test_the_carrys_chunk_moves_a_hybrids_logits_only_by_float_rounding_on_cuda(hybrid, tmp_path):
+def test_the_carrys_chunk_moves_a_hybrids_logits_no_more_than_stocks_own_ubatch_size_does_on_cuda(hybrid, tmp_path):
     require_cuda_builds("ridgefill")
     model, maps, _, _, tokens = hybrid
+    chunks = (1, 7, 100)
     runs = [{"name": f"{arm}|{rc}", "params": {**base(**kw), "recurrent_chunk": rc}}
-            for arm, kw in {"ridge": {}, "probe": {"probe": [8, 10]}}.items() for rc in (0, 1, 7, 100)]
+            for arm, kw in {"ridge": {}, "probe": {"probe": [8, 10]}}.items() for rc in (0, *chunks)]
     arrays, _ = run_engine(model, maps, runs, session=GPU, tokens=tokens, tmp_path=tmp_path)
+    # CUDA picks other kernels for other row counts (a 1-row product is a vector kernel): stock's own logits move
+    # as much when its ubatch changes, so that is the floor
+    stock = {u: run_engine(model, maps, [{"name": "stock", "stock": True}], session={**GPU, "n_ubatch": u},
+                           tokens=tokens, tmp_path=tmp_path)[0]["stock"] for u in (GPU["n_ubatch"], 1, 7)}
+    floor = max(rel(stock[u], stock[GPU["n_ubatch"]]) for u in (1, 7))
     for arm in ("ridge", "probe"):
-        for rc in (1, 7, 100):
-            assert rel(arrays[f"{arm}|{rc}"], arrays[f"{arm}|0"]) <= 1e-4, (arm, rc)
+        for rc in chunks:
+            d = rel(arrays[f"{arm}|{rc}"], arrays[f"{arm}|0"])
+            print(f"{arm}, carry in {rc}-row graphs: rel {d:.2e} (stock's ubatch 1 and 7: {floor:.2e})")
+            assert d <= max(3 * floor, 1e-4), (arm, rc, d, floor)

@@ -3,7 +3,7 @@
 # still needs, each under its own time limit so that one that stalls leaves the others their time. Each run's
 # results and server log go to $OUT/bench, packed at the end into one $OUT/hybrid-runs.tar.xz (the device tool
 # brings back at most 8 files).
-#   RUNS="probe128k recurrent32k chunk512 streamed64k" [LIMIT_S=240] bash tools/gpu/hybrid-runs.sh
+#   RUNS="probe128k recurrent32k chunk512 chunk8192 streamed64k" [LIMIT_S=240] bash tools/gpu/hybrid-runs.sh
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 out="${OUT:-$repo/results}"
@@ -31,6 +31,7 @@ for r in ${RUNS:-probe128k recurrent32k chunk512}; do
         probe128k)    run "$r" TOKENS=131072 PLACEMENTS=resident ;;
         recurrent32k) run "$r" TOKENS=32768 PLACEMENTS=resident ;;
         chunk512)     run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 512" ;;
+        chunk8192)    run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 8192" ;;
         streamed64k)  run "$r" TOKENS=65536 PLACEMENTS=streamed ;;
         *)            echo "hybrid-runs: unknown run '$r'" >&2 ;;
     esac
