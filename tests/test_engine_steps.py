@@ -1,7 +1,8 @@
 """The RidgeFill prefill in steps (llama_ridgefill_prefill_begin/_step/_cancel), as llama-server runs it while other
 users decode on the same context: another sequence's decode steps between its late-layer steps change no byte of
 either sequence, between its sweep-one batches only the cells' order (float noise), a cancelled prefill leaves
-nothing behind, and a hybrid holds the context through its late layers."""
+nothing behind, and a hybrid yields through its late layers too, while other sequences' batches move its recurrent
+cell."""
 from __future__ import annotations
 
 import json
@@ -41,29 +42,25 @@ def run(interleave):
     """seq 1 holds a prompt and decodes its tokens one per yield (none: all after the prefill)."""
     S.clear()
     other_prefill()
-    other, yields = [], []
+    other, refused, n_steps = [], None, 0
     def other_step():
         S._decode([other_tokens[len(other)]], len(other_prompt) + len(other), "last", seq=1)
         other.append(S._last_logits())
-    B.configure(S.ctx, **cfg["params"])
-    gen = B.prefill_steps(S.ctx, mine[:-1], seq=0, n_following=1)
-    while True:
-        try:
-            may = next(gen)
-        except StopIteration as stop:
-            assert stop.value is True, "RidgeFill did not apply"
-            break
-        yields.append(bool(may))
-        if interleave == "probe_refused" and len(yields) == 2:
+    def between(may):
+        nonlocal refused, n_steps
+        n_steps += 1
+        if interleave == "probe_refused" and n_steps == 2:
             try:
                 B.configure(S.ctx, **cfg["params"])
             except Exception as e:
                 refused = str(e)
             else:
                 refused = ""
-        late = len(yields) >= sweep_one_steps
+        late = n_steps >= sweep_one_steps
         if may and len(other) < len(other_tokens) and (interleave == "all" or (interleave == "late" and late)):
             other_step()
+    B.configure(S.ctx, **cfg["params"])
+    yields = B.prefill_between(S.ctx, mine[:-1], between, seq=0, n_following=1)
     n_during = len(other)
     st = B.stats(S.ctx)
     while len(other) < len(other_tokens):
@@ -147,17 +144,73 @@ def test_a_cancelled_prefill_leaves_no_rows_and_parameters_wait_for_the_prefill_
     assert "in flight" in res["probe_refused"]["refused"], res["probe_refused"]
 
 
-def test_a_hybrid_yields_in_sweep_one_and_holds_the_context_through_its_late_layers(tmp_path):
+HYBRID_SCRIPT = r'''
+import json, sys
+import numpy as np
+from ridgefill_gguf.engine.session import Session
+from ridgefill_gguf.engine import bindings as B
+
+cfg = json.loads(sys.argv[1])
+S = Session(cfg["model"], n_ctx=1024, n_batch=64, n_ubatch=32, n_threads=2, maps=cfg["maps"], n_seq_max=3)
+lc = S.lc
+rng = np.random.default_rng(0)
+mine = [int(t) for t in rng.integers(1000, 5000, 300)]
+prompts = {1: [int(t) for t in rng.integers(1000, 5000, 40)], 2: [int(t) for t in rng.integers(1000, 5000, 40)]}
+steps = 6
+
+def decode_others(i):
+    """one token for each of seqs 1 and 2 in one batch: the recurrent memory gathers their cells side by side"""
+    batch = lc.llama_batch_init(2, 0, 1)
+    for j, seq in enumerate((1, 2)):
+        batch.token[j], batch.pos[j], batch.n_seq_id[j] = prompts[seq][-1] + i, len(prompts[seq]) + i, 1
+        batch.seq_id[j][0], batch.logits[j] = seq, 1
+    batch.n_tokens = 2
+    assert lc.llama_decode(S.ctx, batch) == 0
+    lc.llama_batch_free(batch)
+    return np.stack([np.ctypeslib.as_array(lc.llama_get_logits_ith(S.ctx, j), shape=(S.n_vocab,)).copy()
+                     for j in range(2)])
+
+def run(interleave):
+    """cells: seq 1 in cell 0, this prefill's sequence 0 in cell 1, seq 2 in cell 2, so that a batch of seqs 1
+    and 2 swaps seq 0's cell away; the others decode between late-layer steps (late) or only after (none)."""
+    S.clear()
+    S._decode(prompts[1], 0, seq=1)
+    S._decode(mine[:1], 0, seq=0)
+    S._decode(prompts[2], 0, seq=2)
+    B.configure(S.ctx, **cfg["params"])
+    others = []
+    def between(may):
+        stage = (B.prefill_progress(S.ctx) or ("done",))[0]
+        if interleave == "late" and stage != "sweep one" and len(others) < steps:
+            others.append(decode_others(len(others)))
+    yields = B.prefill_between(S.ctx, mine[1:-1], between, seq=0, n_following=1)
+    during = len(others)
+    while len(others) < steps:
+        others.append(decode_others(len(others)))
+    S._decode(mine[-1:], len(mine) - 1, "last", seq=0)
+    return S._last_logits(), np.stack(others), {"yields": yields, "during": during, **B.stats(S.ctx)}
+
+arrays, res = {}, {}
+for arm in ("none", "late"):
+    arrays[arm + "_mine"], arrays[arm + "_other"], res[arm] = run(arm)
+np.savez(cfg["out"], **arrays)
+print("RESULT " + json.dumps(res))
+'''
+
+
+def test_a_hybrid_yields_in_its_late_layers_and_other_sequences_moving_its_recurrent_cell_change_no_byte(tmp_path):
     require_builds("ridgefill")
     model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2)
-    res, a = run_steps(model, maps, False, tmp_path, params={**PARAMS, "probe": [0, 0]})
-    y = res["all"]["yields"]
-    n_sweep = -(-299 // 64)
-    assert y[:n_sweep - 1] == [True] * (n_sweep - 1) and not any(y[n_sweep - 1:]), y
-    assert res["all"]["during"] == n_sweep - 1  # the other user's tokens came only between sweep one's batches
-    scale = np.abs(a["none_mine"]).max()
-    assert np.abs(a["all_mine"] - a["none_mine"]).max() <= 1e-4 * scale
-    assert np.abs(a["all_other"] - a["none_other"]).max() <= 1e-4 * np.abs(a["none_other"]).max()
+    out = tmp_path / "hybrid-steps.npz"
+    cfg = {"model": str(model), "maps": str(maps), "params": {**PARAMS, "probe": [0, 0]}, "out": str(out)}
+    code = HYBRID_SCRIPT.replace("cfg = json.loads(sys.argv[1])", f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
+    proc = run_py(code, build="ridgefill")
+    res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    with np.load(out) as a:
+        assert res["late"]["applied"] == 1 and all(res["late"]["yields"]), res["late"]["yields"]
+        assert res["late"]["during"] == 6, res["late"]  # the others decoded while the late layers ran
+        assert a["late_mine"].tobytes() == a["none_mine"].tobytes()
+        assert a["late_other"].tobytes() == a["none_other"].tobytes()
 
 
 PROGRESS_SCRIPT = r'''

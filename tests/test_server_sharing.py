@@ -96,3 +96,27 @@ def test_the_serving_command_writes_json_markdown_and_a_plot_of_the_stalls(smoll
     assert set(arms) == {"stock", "ridgefill"} and all(r["errors"] == 0 for r in arms.values())
     assert [c["rf"]["filled"] > 0 for c in out["cells"] if c["ridgefill"]] == [True]
     assert next(tmp_path.glob("*-smollm2.png")).stat().st_size > 0 and "| 2 | unified | ridgefill |" in res.output
+
+
+def test_another_user_streaming_waits_no_longer_during_a_hybrids_ridgefill_prefill_than_during_a_stock_one(tmp_path):
+    # a hybrid's late layers yield too (its recurrent cell is looked up at every graph), so the other user's tokens
+    # keep coming through them; a late step is one layer over every row, shorter than a stock batch of 512 rows
+    # through all 8 layers while the prompt is shorter than 512 x 8 rows
+    require_builds("ridgefill")
+    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+
+    model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2, n_embd=1024, n_ff=3072)
+    extra = ("-b", "512", "-ub", "512", "--ridgefill-select", "none",
+             "--override-kv", "qwen35.context_length=int:8192")
+    with Server(model, maps, tail=256, min_prefix=0, threads=2, slots=2, n_ctx=2 * 4096, extra=extra,
+                log_path=tmp_path / "hybrid-sharing.log") as srv:
+        prompt = prompt_tokens(2000)
+        cells = [one_cell(srv, prompt, 2, rf, others_prompt=prompt_tokens(16)) for rf in (False, True)]
+    stock, rf = cells
+    print({k: (stock[k], rf[k]) for k in ("stall_max_s", "others_tokens_during", "ttft_s") if k in rf}, rf["rf"])
+    assert not stock["errors"] and not rf["errors"], cells
+    assert rf["rf"]["filled"] > 0 and rf["rf"]["slices"] > 1, rf["rf"]
+    # sweep one yields 3 times (batches of 512); the late layers, 6 of them with a fill and a carry each, the rest
+    assert rf["others_tokens_during"] >= 10, rf
+    # the prompt's last rows run as one stock batch after the prefill, so the worst stall is that batch in both arms
+    assert rf["stall_max_s"] <= 1.2 * stock["stall_max_s"], (rf["stall_max_s"], stock["stall_max_s"])

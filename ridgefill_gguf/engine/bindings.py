@@ -283,7 +283,7 @@ def prefill(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0) -> bo
 
 def prefill_steps(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0):
     """The same prefill in steps: yields after each step whether other sequences may decode on the context before
-    the next (True) or not (False, a hybrid's late layers). Returns False at once when the request did not qualify
+    the next (True) or not (False: HOLD, which the engine no longer answers). Returns False at once when the request did not qualify
     (nothing was done), True when done; raises PrefillError on failure. Closing the generator early cancels it."""
     lib = _prefill_lib()
     arr = (ctypes.c_int32 * len(tokens))(*tokens)
@@ -302,6 +302,21 @@ def prefill_steps(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0)
             yield rc == STEP_YIELD
     finally:
         lib.llama_ridgefill_prefill_cancel(ctx)  # a no-op once done
+
+
+def prefill_between(ctx, tokens: list[int], between, *, seq: int = 0, n_following: int = 0) -> list[bool]:
+    """The prefill in steps, calling between(may_decode) after each one (where a server runs its other slots);
+    the steps' answers. Raises RuntimeError when the request did not qualify."""
+    gen, yields = prefill_steps(ctx, tokens, seq=seq, n_following=n_following), []
+    while True:
+        try:
+            may = next(gen)
+        except StopIteration as stop:
+            if stop.value is not True:
+                raise RuntimeError("RidgeFill did not apply") from None
+            return yields
+        yields.append(bool(may))
+        between(yields[-1])
 
 
 def prefill_active(ctx) -> int:
