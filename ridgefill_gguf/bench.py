@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from .gguf_io import read_gguf
-from .random_gguf import ModelShape
+from .random_gguf import HYBRID_ARCHS, ModelShape
 from .serve import Server
 from .util import hardware, save_figure, write_atomic
 
@@ -58,10 +58,13 @@ def layer_macs(s: ModelShape) -> dict[str, float]:
     fill (the in-projections the states need, the conv and the state update, all of which a filled row still does;
     not the output gate z, which only rows with an output project); and per attended cell, QK and PV. A DeltaNet
     layer's state update counts its recurrence, four multiply-accumulates per state element per row (decay, read,
-    delta write, output read)."""
+    delta write, output read). A mixture of experts counts the experts a row uses and the shared one."""
     q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-    ffn = 3 * s.n_embd * s.n_ff
-    gate = q if s.arch == "qwen35" else 0  # qwen35's query projection carries an output gate beside each head
+    if s.n_expert:  # the used experts and the shared one, their router and the shared expert's gate
+        ffn = 3 * s.n_embd * (s.n_expert_used * s.n_ff_exp + s.n_ff_shexp) + s.n_embd * (s.n_expert + 1)
+    else:
+        ffn = 3 * s.n_embd * s.n_ff
+    gate = q if s.arch in HYBRID_ARCHS else 0  # the hybrids' query projection carries an output gate beside each head
     hk, nk, nv, hv = s.ssm_d_state, s.ssm_n_group, s.ssm_dt_rank, s.head_v_dim
     conv = 2 * nk * hk + nv * hv
     state = 4 * nv * hk * hv

@@ -91,6 +91,10 @@ class ModelShape:
                              rope_sections=tuple(int(x) for x in get("rope.dimension_sections", (11, 11, 10, 0))),
                              ssm_d_conv=int(get("ssm.conv_kernel")), ssm_d_state=int(get("ssm.state_size")),
                              ssm_n_group=int(get("ssm.group_count")), ssm_dt_rank=int(get("ssm.time_step_rank")))
+        if get("expert_count"):
+            recurrent.update(n_expert=int(get("expert_count")), n_expert_used=int(get("expert_used_count")),
+                             n_ff_exp=int(get("expert_feed_forward_length")),
+                             n_ff_shexp=int(get("expert_shared_feed_forward_length", 0)))
         return cls(arch, int(get("block_count")), n_embd, int(get("feed_forward_length")), n_head,
                    int(get("attention.head_count_kv", n_head)), int(get("attention.key_length", n_embd // n_head)),
                    n_ctx_train=int(get("context_length", 4096)), rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -177,6 +181,15 @@ REAL_SHAPES = {
                              n_ctx_train=262144, rope_theta=10000000.0, rms_eps=1e-6, n_rot=64,
                              full_attention_interval=4, rope_sections=(11, 11, 10, 0), ssm_d_conv=4,
                              ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48, n_vocab=248320),
+    # Qwen3-Next-80B-A3B's layers (48, d 2048, attention every fourth of 16 query and 2 KV heads of 256 with a
+    # quarter rotated, DeltaNet layers of 16 key and 32 value heads of 128, 10 experts of 512 used per token beside a
+    # shared one of 512) with 64 of its 512 experts, so that the random file (11.9 GiB in Q8_0) is written in a
+    # call: a prefill reads every expert's weights once per batch, so this shape under-counts that part
+    "qwen3next-80b-e64": ModelShape("qwen3next", n_layer=48, n_embd=2048, n_ff=5120, n_head=16, n_head_kv=2,
+                                    head_dim=256, n_ctx_train=262144, rope_theta=10000000.0, rms_eps=1e-6, n_rot=64,
+                                    full_attention_interval=4, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16,
+                                    ssm_dt_rank=32, n_expert=64, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
+                                    n_vocab=151936),
 }
 
 

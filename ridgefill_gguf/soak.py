@@ -15,6 +15,17 @@ from pathlib import Path
 from .serve import Server
 
 
+SOAK_LAYERS = {"llama": (4, 1), "qwen35": (8, 2)}  # layers and split; a hybrid needs a late recurrent layer
+
+
+def soak_model(folder: Path, arch: str = "llama") -> tuple[Path, Path]:
+    """The soak's tiny random model of `arch` and its random maps."""
+    from .maps.synthetic import tiny_model_with_maps
+
+    n_layer, split = SOAK_LAYERS[arch]
+    return tiny_model_with_maps(folder, arch, n_layer=n_layer, split=split)
+
+
 def plan(n: int, seed: int = 0, max_len: int = 1500) -> list[dict]:
     """The requests: prompt tokens, RidgeFill or not, cache or not, tokens to generate, and a cancel delay."""
     rng = random.Random(seed)

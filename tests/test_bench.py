@@ -244,6 +244,23 @@ def test_the_hybrid_mac_ceiling_charges_what_a_filled_row_still_does_in_a_deltan
     assert mac_ceiling(skipped, n, split, n - tail - 1, tail + 1, tail=tail) > plain
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_row_uses_and_reads_them_from_the_gguf(tmp_path):
+    from ridgefill_gguf.bench import layer_macs
+    from ridgefill_gguf.random_gguf import REAL_SHAPES, tiny_shape, write_random_model
+
+    s = REAL_SHAPES["qwen3next-80b-e64"]
+    m = layer_macs(s)
+    # 10 used experts and the shared one, 512 wide each; the router over 64 experts and the shared expert's gate
+    ffn = 3 * 2048 * (10 * 512 + 512) + 2048 * 65
+    # gated queries of 16 heads of 256, 2 KV heads
+    assert m["attention"] == 2048 * (2 * 16 * 256 + 2 * 2 * 256) + 16 * 256 * 2048 + ffn
+    assert m["deltanet"] == m["deltanet_fill"] + 2 * 32 * 128 * 2048 + ffn
+    tiny = tiny_shape("qwen3next")
+    read = ModelShape.from_gguf(write_random_model(tmp_path / "next.gguf", tiny, seed=1))
+    assert (read.n_expert, read.n_expert_used, read.n_ff_exp, read.n_ff_shexp) == (4, 2, 32, 48)
+    assert layer_macs(read) == layer_macs(tiny)
+
+
 def test_the_state_update_ceiling_times_each_deltanet_row_the_same_in_both_arms():
     from ridgefill_gguf.bench import mac_counts, state_update_ceiling, state_update_rows
     from ridgefill_gguf.random_gguf import REAL_SHAPES

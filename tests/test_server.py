@@ -503,6 +503,22 @@ def test_a_hybrid_restores_checkpoints_of_approximated_state_only_for_requests_t
     assert "ridgefill" not in stock["timings"]
 
 
+def test_a_hybrid_request_whose_prompt_fits_the_rows_kept_for_its_checkpoint_says_why_it_got_the_stock_prefill(
+        hybrid_and_maps):
+    # a hybrid's slot prefills a prompt's last 4 + ubatch rows the stock way, to checkpoint its state before them
+    require_builds("ridgefill")
+    model, maps, d = hybrid_and_maps
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("--metrics",),
+                log_path=d / "hybrid-short.log") as srv:
+        short = srv.complete("A short prompt. " * 60, n_predict=1)
+        long = srv.complete(PROMPT, n_predict=1)
+        fallbacks = metric(srv, 'ridgefill_fallbacks_total{reason="short_prompt"}')
+    why = short["timings"]["ridgefill"]["not_used"]
+    assert "no more than the 516 the server prefills the stock way" in why, why
+    assert long["timings"]["ridgefill"]["filled"] > 0 and fallbacks == 1
+    assert any("RidgeFill not used" in x and why in x for x in (d / "hybrid-short.log").read_text().splitlines())
+
+
 def test_the_terminal_state_correction_is_set_per_server_and_per_request_and_counted(hybrid_and_maps):
     import numpy as np
 

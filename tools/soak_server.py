@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Soak llama-server with RidgeFill (ridgefill_gguf.soak): a tiny random llama with random maps, 4 slots, 1,000
-mixed requests; results as JSON and Markdown in results/soak/.
+"""Soak llama-server with RidgeFill (ridgefill_gguf.soak): a tiny random llama (or a qwen35 hybrid) with random
+maps, 4 slots, 1,000 mixed requests; results as JSON and Markdown in results/soak/.
 
-  python tools/soak_server.py [-n 1000] [-o results/soak]
+  python tools/soak_server.py [-n 1000] [--arch qwen35] [-o results/soak]
 """
 from __future__ import annotations
 
@@ -18,27 +18,30 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
-    from ridgefill_gguf.soak import run_soak
+    from ridgefill_gguf.soak import SOAK_LAYERS, run_soak, soak_model
     from ridgefill_gguf.util import hardware, write_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=1000, help="requests")
     ap.add_argument("--cache-ram", type=int, default=None, help="llama-server's --cache-ram in MiB (its default)")
+    ap.add_argument("--arch", choices=tuple(SOAK_LAYERS), default="llama",
+                    help="qwen35: a hybrid, whose late layers yield to the other slots and whose slots save checkpoints")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "results" / "soak")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        model, maps = tiny_model_with_maps(d, "llama", n_layer=4, split=1)
+        model, maps = soak_model(d, args.arch)
         r = run_soak(model, maps, n=args.n, cache_ram_mib=args.cache_ram, log_dir=d)
-    r.update(command=" ".join(sys.argv), hardware=hardware(), model="tiny random llama, 4 layers, split 1")
+    r.update(command=" ".join(sys.argv), hardware=hardware(),
+             model="tiny random {}, {} layers, split {}".format(args.arch, *SOAK_LAYERS[args.arch]))
     ram = "" if args.cache_ram is None else f"-cache-ram-{args.cache_ram}"
-    stem = args.out / f"{datetime.date.today().isoformat()}-soak-{args.n}{ram}"
+    arch = "" if args.arch == "llama" else f"-{args.arch}"
+    stem = args.out / f"{datetime.date.today().isoformat()}-soak-{args.n}{arch}{ram}"
     write_atomic(stem.with_suffix(".json"), json.dumps(r, indent=1) + "\n")
     growth = r["rss_mib"][-1][1] - r["rss_mib"][0][1] if len(r["rss_mib"]) > 1 else 0.0
     md = [f"# Soak: {r['requests']} requests over {r['slots']} slots ({r['clients']} clients), --cache-ram "
           f"{'default' if args.cache_ram is None else args.cache_ram}", "",
-          f"`{r['command']}`", "",
+          f"`{r['command']}`", "", f"- model: {r['model']}",
           f"- {r['seconds']:.0f} s; server alive at the end: {r['server_alive']}",
           f"- errors: {len(r['errors'])}; cancelled in flight: {r['cancelled']}; RidgeFill ran: {r['ridgefill_ran']}",
           f"- finished stock requests replayed one at a time on one slot: {r['stock_compared']}; the patched server "

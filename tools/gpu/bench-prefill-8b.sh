@@ -16,11 +16,12 @@ preset=${PRESET:-qwen3-8b} dtype=${DTYPE:-q8_0} split=${SPLIT:-13}  # as tools/g
 python3 - "$work/$preset-$dtype.gguf" "$work/$preset-$dtype.S$split.maps.gguf" "${OUT:-results}/bench" <<'PY'
 import sys
 from ridgefill_gguf.bench import run_bench
+from ridgefill_gguf.random_gguf import ModelShape
 import os
 lengths = [int(x) for x in os.environ.get("TOKENS", "16384,32768,65536").split(",")]
 ub = os.environ.get("UBATCH")
 preset = os.environ.get("PRESET", "qwen3-8b")
-arch = "llama" if preset.startswith("llama") else "qwen35" if preset.startswith("qwen35") else "qwen3"
+arch = ModelShape.from_gguf(sys.argv[1]).arch
 r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=int(os.environ.get("TAIL", "4096")),
               placements=tuple(os.environ.get("PLACEMENTS", "resident,streamed").split(",")),
               repeats=int(os.environ.get("REPEATS", "3")), n_gpu_layers=99, out_dir=sys.argv[3],

@@ -18,11 +18,12 @@ import json, os, subprocess, sys, threading, time
 from pathlib import Path
 from ridgefill_gguf.serve import Server
 from ridgefill_gguf.bench import default_text
+from ridgefill_gguf.random_gguf import ModelShape
 
 out, n = Path(sys.argv[1]), int(os.environ.get("TOKENS", "131072"))
 limit = float(os.environ.get("LIMIT_S", "200"))
 label = os.environ.get("LABEL", f"probe-once-{n}")
-arch = os.environ.get("ARCH", "qwen35")
+arch = ModelShape.from_gguf(os.environ["MODEL"]).arch
 extra = ("--override-kv", f"{arch}.context_length=int:262144", *os.environ.get("SERVER_ARGS", "").split())
 samples, result = [], {"tokens": n, "limit_s": limit}
 
