@@ -13,8 +13,9 @@ preset=${PRESET:-qwen3-8b} dtype=${DTYPE:-q8_0} split=${SPLIT:-13}  # as tools/g
 python3 - "$work/$preset-$dtype.gguf" "$work/$preset-$dtype.S$split.maps.gguf" "${OUT:-results}/bench" <<'PY'
 import os, sys
 from ridgefill_gguf.bench_memory import run_memory_bench
+from ridgefill_gguf.random_gguf import ModelShape
 preset = os.environ.get("PRESET", "qwen3-8b")
-arch = "llama" if preset.startswith("llama") else "qwen35" if preset.startswith("qwen35") else "qwen3"
+arch = ModelShape.from_gguf(sys.argv[1]).arch  # the override names the model's own key
 r = run_memory_bench(sys.argv[1], sys.argv[2], [int(x) for x in os.environ.get("TOKENS", "32768,131072").split(",")],
                      tail=int(os.environ.get("TAIL", "4096")),
                      placements=tuple(os.environ.get("PLACEMENTS", "resident,streamed").split(",")),

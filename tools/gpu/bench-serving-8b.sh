@@ -13,10 +13,11 @@ preset=${PRESET:-qwen3-8b} dtype=${DTYPE:-q8_0} split=${SPLIT:-13}
 python3 - "$work/$preset-$dtype.gguf" "$work/$preset-$dtype.S$split.maps.gguf" "${OUT:-results}/serving" <<'PY'
 import os, sys
 from ridgefill_gguf.serving import run_serving
+from ridgefill_gguf.random_gguf import ModelShape
 env = os.environ.get
 ints = lambda k, d: [int(x) for x in env(k, d).split(",") if x]
 preset = env("PRESET", "qwen3-8b")
-arch = "llama" if preset.startswith("llama") else "qwen35" if preset.startswith("qwen35") else "qwen3"
+arch = ModelShape.from_gguf(sys.argv[1]).arch  # the override names the model's own key
 r = run_serving(sys.argv[1], sys.argv[2], ints("TOKENS", "32768,65536"), ints("USERS", "2,4,8"),
                 kv_modes=tuple(env("KV", "unified,separate").split(",")), yield_ms=tuple(ints("YIELD", "0")),
                 reps=int(env("REPEATS", "1")), tail=int(env("TAIL", "4096")), select=env("SELECT", "probe"),
