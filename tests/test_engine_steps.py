@@ -257,3 +257,18 @@ def test_a_prefill_in_flight_reports_its_stages_in_order_and_its_progress_never_
         assert [d for d, _ in got] == sorted(d for d, _ in got), (stage, got)
     sweep = [(d, t) for s, d, t in res["seen"] if s == "sweep one"]
     assert sweep[0] == (64, 299)  # one batch of 64 rows done of the 299 before the last token
+
+
+def test_each_chunk_of_a_hybrids_late_recurrent_layer_is_a_step_of_its_own(tmp_path):
+    # so that the other slots wait for one chunk of rows through one layer, not for the layer over the whole prompt
+    require_builds("ridgefill")
+    model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2)
+    late = {}
+    for rc in (0, 16):  # 0: the fill's chunk, 48 rows
+        cfg = {"model": str(model), "maps": str(maps), "params": {**PARAMS, "recurrent_chunk": rc}}
+        code = PROGRESS_SCRIPT.replace("cfg = json.loads(sys.argv[1])",
+                                       f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
+        line = [l for l in run_py(code, build="ridgefill").stdout.splitlines() if l.startswith("RESULT ")][-1]
+        late[rc] = sum(1 for s, _, _ in json.loads(line[len("RESULT "):])["seen"] if s == "late layers")
+    # late recurrent layers 2, 4, 5 and 6 carry the 299 rows in 19 chunks of 16 rows instead of 7 of 48
+    assert late[16] - late[0] == 4 * (19 - 7), late

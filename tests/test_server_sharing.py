@@ -100,8 +100,8 @@ def test_the_serving_command_writes_json_markdown_and_a_plot_of_the_stalls(smoll
 
 def test_another_user_streaming_waits_no_longer_during_a_hybrids_ridgefill_prefill_than_during_a_stock_one(tmp_path):
     # a hybrid's late layers yield too (its recurrent cell is looked up at every graph), so the other user's tokens
-    # keep coming through them; a late step is one layer over every row, shorter than a stock batch of 512 rows
-    # through all 8 layers while the prompt is shorter than 512 x 8 rows
+    # keep coming through them; a late step is at most a chunk or a fill through one layer, shorter than a stock
+    # batch of 512 rows through all 8 layers
     require_builds("ridgefill")
     from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
 
