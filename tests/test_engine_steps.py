@@ -101,14 +101,19 @@ def llama_with_maps(tmp_path_factory):
     return tiny_model_with_maps(tmp_path_factory.mktemp("engine-steps"), "llama", n_layer=4, split=1)
 
 
+def run_script(script: str, cfg: dict) -> dict:
+    """One of the scripts above in a process of the patched build, cfg in place of its argument: its RESULT."""
+    code = script.replace("cfg = json.loads(sys.argv[1])", f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
+    line = [l for l in run_py(code, build="ridgefill").stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
 def run_steps(model, maps, unified, tmp_path, params=PARAMS):
     out = tmp_path / f"steps-{unified}.npz"
-    cfg = {"model": str(model), "maps": str(maps), "unified": unified, "params": params, "out": str(out)}
-    code = SCRIPT.replace("cfg = json.loads(sys.argv[1])", f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
-    proc = run_py(code, build="ridgefill")
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    res = run_script(SCRIPT, {"model": str(model), "maps": str(maps), "unified": unified, "params": params,
+                              "out": str(out)})
     with np.load(out) as data:
-        return json.loads(line[len("RESULT "):]), {k: data[k] for k in data.files}
+        return res, {k: data[k] for k in data.files}
 
 
 @pytest.mark.parametrize("unified", [False, True], ids=["separate-kv", "unified-kv"])
@@ -202,10 +207,8 @@ def test_a_hybrid_yields_in_its_late_layers_and_other_sequences_moving_its_recur
     require_builds("ridgefill")
     model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2)
     out = tmp_path / "hybrid-steps.npz"
-    cfg = {"model": str(model), "maps": str(maps), "params": {**PARAMS, "probe": [0, 0]}, "out": str(out)}
-    code = HYBRID_SCRIPT.replace("cfg = json.loads(sys.argv[1])", f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
-    proc = run_py(code, build="ridgefill")
-    res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    res = run_script(HYBRID_SCRIPT, {"model": str(model), "maps": str(maps), "params": {**PARAMS, "probe": [0, 0]},
+                                     "out": str(out)})
     with np.load(out) as a:
         assert res["late"]["applied"] == 1 and all(res["late"]["yields"]), res["late"]["yields"]
         assert res["late"]["during"] == 6, res["late"]  # the others decoded while the late layers ran
@@ -241,10 +244,7 @@ def test_a_prefill_in_flight_reports_its_stages_in_order_and_its_progress_never_
     require_builds("ridgefill")
     model, maps = tiny_model_with_maps(tmp_path, arch, n_layer=8 if arch == "qwen35" else 4,
                                        split=2 if arch == "qwen35" else 1)
-    cfg = {"model": str(model), "maps": str(maps), "params": PARAMS}
-    code = PROGRESS_SCRIPT.replace("cfg = json.loads(sys.argv[1])", f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
-    line = [l for l in run_py(code, build="ridgefill").stdout.splitlines() if l.startswith("RESULT ")][-1]
-    res = json.loads(line[len("RESULT "):])
+    res = run_script(PROGRESS_SCRIPT, {"model": str(model), "maps": str(maps), "params": PARAMS})
     assert res["before"] is None and res["after"] is None  # nothing in flight before begin or after the end
     stages = [s for s, _, _ in res["seen"]]
     order = [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s]
@@ -265,10 +265,8 @@ def test_each_chunk_of_a_hybrids_late_recurrent_layer_is_a_step_of_its_own(tmp_p
     model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2)
     late = {}
     for rc in (0, 16):  # 0: the fill's chunk, 48 rows
-        cfg = {"model": str(model), "maps": str(maps), "params": {**PARAMS, "recurrent_chunk": rc}}
-        code = PROGRESS_SCRIPT.replace("cfg = json.loads(sys.argv[1])",
-                                       f"cfg = json.loads({json.dumps(json.dumps(cfg))})")
-        line = [l for l in run_py(code, build="ridgefill").stdout.splitlines() if l.startswith("RESULT ")][-1]
-        late[rc] = sum(1 for s, _, _ in json.loads(line[len("RESULT "):])["seen"] if s == "late layers")
+        res = run_script(PROGRESS_SCRIPT, {"model": str(model), "maps": str(maps),
+                                           "params": {**PARAMS, "recurrent_chunk": rc}})
+        late[rc] = sum(1 for s, _, _ in res["seen"] if s == "late layers")
     # late recurrent layers 2, 4, 5 and 6 carry the 299 rows in 19 chunks of 16 rows instead of 7 of 48
     assert late[16] - late[0] == 4 * (19 - 7), late
