@@ -185,6 +185,36 @@ def test_the_carrys_chunk_moves_the_logits_only_by_float_rounding_on_a_hybrid(hy
             assert rel(arrays[f"{arm}|{rc}"], arrays[f"{arm}|0"]) <= 1e-5, (arm, rc)
 
 
+@pytest.mark.parametrize("arch", ["qwen35", "qwen3next"])
+def test_upstreams_chunked_state_update_follows_the_numpy_hybrid_arm_and_the_fused_op_to_float_rounding(arch, request,
+                                                                                                  tmp_path):
+    # the chunked graph pads a graph's rows to blocks of 64: carry graphs of 48 and 7 rows leave a padded block in
+    # every graph; the default is the fused op, llama_decode's
+    require_builds("ridgefill")
+    model, maps, mats, ref, tokens = request.getfixturevalue("hybrid" if arch == "qwen35" else "next_hybrid")
+    exact_rows, n_probe, count = [5, 17, 40], 8, 10
+    arms = {"ridge": {}, "rows": {"exact_rows": exact_rows}, "probe_rows": {"probe": [n_probe, count]}}
+    runs = [{"name": "default", "rows": TAIL, "params": base()}]
+    runs += [{"name": f"{arm}|{update}|{rc}", "rows": TAIL,
+              "params": {**base(**kw), "state_update": update, "recurrent_chunk": rc}}
+             for arm, kw in arms.items() for update, rc in (("fused", 0), ("chunked", 0), ("chunked", 7))]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
+    ranked = numpy_ranked(ref, tokens, TAIL, mats, n_probe, count)
+    arm = lambda **kw: hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, **kw)[0]  # noqa: E731
+    want = {"ridge": arm(), "rows": arm(exact_rows=exact_rows), "probe_rows": arm(exact_rows=ranked)}
+    for name, expected in want.items():
+        fused = arrays[f"{name}|fused|0"]
+        for rc in (0, 7):
+            chunked = arrays[f"{name}|chunked|{rc}"]
+            err, moved = rel(chunked, expected), rel(chunked, fused)
+            print(f"{arch} {name} chunked, carry graphs of {rc or 48} rows: rel {err:.2e} against NumPy, "
+                  f"{moved:.2e} from the fused op")
+            assert stats[f"{name}|chunked|{rc}"]["n_filled"] > 0
+            assert err < TOLERANCE and moved <= 1e-5, (name, rc, err, moved)
+            assert chunked.tobytes() != fused.tobytes(), (name, rc)  # the other graph ran
+    assert arrays["default"].tobytes() == arrays["ridge|fused|0"].tobytes()
+
+
 @pytest.fixture(scope="module")
 def corrected(hybrid, tmp_path_factory):
     """The hybrid's maps with random terminal-state offsets for the late DeltaNet layers 4-6 (not the split's)."""

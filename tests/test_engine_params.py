@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from conftest import require_builds, run_py
+from ridgefill_gguf.engine import bindings
 from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file
 
@@ -26,6 +27,9 @@ bad = lib.llama_ridgefill_default_params()
 bad.probe_share = 1.5
 out["bad"] = [lib.llama_ridgefill_set_params(llm.ctx, ctypes.byref(bad)), lib.llama_ridgefill_last_error().decode()]
 out["after_bad"] = bindings.params(llm.ctx)
+update = lib.llama_ridgefill_default_params()
+update.state_update = 7
+out["bad_update"] = [lib.llama_ridgefill_set_params(llm.ctx, ctypes.byref(update)), lib.llama_ridgefill_last_error().decode()]
 table = lib.llama_ridgefill_default_params()
 table.protected_share = 0.25
 out["no_table"] = [lib.llama_ridgefill_set_params(llm.ctx, ctypes.byref(table)), lib.llama_ridgefill_last_error().decode()]
@@ -77,6 +81,9 @@ def test_the_parameters_are_one_struct_with_defaults_and_a_setter_that_names_a_b
     # a bad field is named and nothing changes
     assert out["bad"] == [-1, "probe_share must be in [0, 1], not 1.500000"]
     assert out["after_bad"] == out["after_set"]
+    # a hybrid's carry updates its states in upstream's fused op unless asked for the chunked graph
+    assert out["defaults"]["state_update"] == bindings.STATE_UPDATES["fused"]
+    assert out["bad_update"] == [-1, "state_update must be 0 (fused) or 1 (chunked), not 7"]
     assert out["no_table"][0] == -1 and "rf_token_freq" in out["no_table"][1]
     # the servers' names map onto the struct; a research control is not one of them
     assert out["select_random"][0] == -1 and "unknown selector 'random'" in out["select_random"][1]

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 14
+API_VERSION = 15
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -112,7 +112,11 @@ class Params(ctypes.Structure):
                 ("attention_share", ctypes.c_float), ("protected_share", ctypes.c_float),
                 ("whole_numbers", ctypes.c_bool), ("rescale_rows", ctypes.c_int32), ("rescale_values", ctypes.c_bool),
                 ("rescale_keys", ctypes.c_bool), ("logits_rows", ctypes.c_int32), ("state_correction", ctypes.c_bool),
-                ("recurrent_chunk", ctypes.c_int32)]
+                ("recurrent_chunk", ctypes.c_int32), ("state_update", ctypes.c_int)]
+
+
+# enum llama_ridgefill_state_update: a hybrid's carry updates its states in upstream's fused op or its chunked graph
+STATE_UPDATES = {"fused": 0, "chunked": 1}
 
 
 _SIGNATURES["llama_ridgefill_default_params"] = (Params, [])
@@ -186,7 +190,7 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 # configure's keywords, in the order it applies them; probe and probe_budget replace each other
 CONFIG_KEYS = ("tail", "fill", "exact_rows", "exact_random", "chunk", "min_prefix", "logits_rows", "probe",
                "probe_budget", "random_budget", "protected", "rescale", "whole_numbers", "blind", "attention",
-               "state_correction", "recurrent_chunk")
+               "state_correction", "recurrent_chunk", "state_update")
 _REPLACES = {"probe": "probe_budget", "probe_budget": "probe"}
 # what configure has been given per context (by address): each call sets the whole configuration again, since
 # llama_ridgefill_set_params turns the research controls off
@@ -199,10 +203,11 @@ def _ctx_key(ctx) -> int:
 
 def configure(ctx, **kw) -> None:
     """Set prefill parameters on a context with maps attached; a keyword left out (or None) keeps the value it was
-    given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers: as named; probe_budget
-    (rows, factor), protected (share), rescale (rows, values, keys) and attention (query rows, share[, layers]) set
-    the production parameters; fill, exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and
-    blind are research controls."""
+    given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers: as named; state_update
+    (fused or chunked: a hybrid's carry, STATE_UPDATES); probe_budget (rows, factor), protected (share),
+    rescale (rows, values, keys) and attention (query rows, share[, layers]) set the production parameters; fill,
+    exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and blind are
+    research controls."""
     unknown = sorted(set(kw) - set(CONFIG_KEYS))
     if unknown:
         raise TypeError(f"configure() got unknown parameters: {', '.join(unknown)}")
@@ -226,6 +231,8 @@ def _apply(ctx, c: dict) -> None:
                        ("recurrent_chunk", "recurrent_chunk")):
         if key in c:
             setattr(p, field, c[key])
+    if "state_update" in c:
+        p.state_update = STATE_UPDATES[c["state_update"]]
     if "probe" in c:
         p.probe_rows = c["probe"][0]
     if "probe_budget" in c:
