@@ -133,9 +133,11 @@ def test_decoding_between_sweep_one_batches_moves_only_the_cells_order(unified, 
     require_builds("ridgefill")
     res, a = run_steps(*llama_with_maps, unified, tmp_path)
     assert res["all"]["during"] == 8 and res["all"]["applied"] == 1
+    # float noise of the summation order: up to 1.05e-4 of the range on an AVX2 EPYC (below 1e-4 where this was
+    # first written); a wrong cell read moves logits by 1e-2 and more
     scale = np.abs(a["none_mine"]).max()
-    assert np.abs(a["all_mine"] - a["none_mine"]).max() <= 1e-4 * scale
-    assert np.abs(a["all_other"] - a["none_other"]).max() <= 1e-4 * np.abs(a["none_other"]).max()
+    assert np.abs(a["all_mine"] - a["none_mine"]).max() <= 2e-4 * scale
+    assert np.abs(a["all_other"] - a["none_other"]).max() <= 2e-4 * np.abs(a["none_other"]).max()
     assert int(np.argmax(a["all_mine"])) == int(np.argmax(a["none_mine"]))
 
 
@@ -270,3 +272,22 @@ def test_each_chunk_of_a_hybrids_late_recurrent_layer_is_a_step_of_its_own(tmp_p
         late[rc] = sum(1 for s, _, _ in res["seen"] if s == "late layers")
     # late recurrent layers 2, 4, 5 and 6 carry the 299 rows in 19 chunks of 16 rows instead of 7 of 48
     assert late[16] - late[0] == 4 * (19 - 7), late
+
+
+@pytest.mark.parametrize("arch, probe", [("llama", True), ("llama", False), ("qwen35", True), ("qwen35", False)])
+def test_each_chunk_of_a_late_attention_layers_fill_is_a_step_of_its_own(arch, probe, tmp_path):
+    # the fill writes every filled row's K/V, so as one step it would grow with the prompt; in chunks the other
+    # slots wait for one chunk of the fill, in the probe's pass (probe) or in the second sweep's fills (no probe)
+    require_builds("ridgefill")
+    model, maps = tiny_model_with_maps(tmp_path, arch, n_layer=8 if arch == "qwen35" else 4,
+                                       split=2 if arch == "qwen35" else 1)
+    stage = "probe" if probe else "fill"
+    steps = {}
+    for chunk in (48, 16):
+        params = {**PARAMS, "chunk": chunk, "recurrent_chunk": 48, "probe": PARAMS["probe"] if probe else [0, 0]}
+        res = run_script(PROGRESS_SCRIPT, {"model": str(model), "maps": str(maps), "params": params})
+        steps[chunk] = sum(1 for s, _, _ in res["seen"] if s == stage)
+    # 258-259 filled rows (the prefix of 259 but position 0; a hybrid's probe fills all 259) take 17 chunks of 16
+    # rows instead of 6 of 48 in each late attention layer: 1, 2 and 3 of the llama, 3 and 7 of the qwen35
+    n_attention = 3 if arch == "llama" else 2
+    assert steps[16] - steps[48] == n_attention * (17 - 6), steps
