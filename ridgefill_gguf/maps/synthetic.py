@@ -90,7 +90,7 @@ def write_random_maps(model: str | Path, split: int, out: str | Path, *, outtype
 
 def tiny_model_with_maps(folder: str | Path, arch: str, *, n_layer: int, split: int, prepare=None,
                          model_seed: int = 3, maps_seed: int = 4, n_embd: int | None = None,
-                         n_ff: int | None = None, **shape: int) -> tuple[Path, Path]:
+                         n_ff: int | None = None, **fields: int) -> tuple[Path, Path]:
     """A tiny random model of `arch` (n_embd wide, n_ff in its FFN and any other ModelShape field given: the tiny
     preset's by default) with random F32 maps for every layer after `split`, for tests and tools; prepare(path, out)
     -> out may rewrite the model first (a hybrid's slow decay)."""
@@ -100,7 +100,7 @@ def tiny_model_with_maps(folder: str | Path, arch: str, *, n_layer: int, split: 
     from .convert import convert
 
     folder = Path(folder)
-    sizes = {k: v for k, v in (("n_embd", n_embd), ("n_ff", n_ff)) if v} | shape
+    sizes = {k: v for k, v in (("n_embd", n_embd), ("n_ff", n_ff)) if v} | fields
     shape = dataclasses.replace(tiny_shape(arch), n_layer=n_layer, **sizes)
     model = write_random_model(folder / f"{arch}{'-stock' if prepare else ''}.gguf", shape, seed=model_seed)
     if prepare:

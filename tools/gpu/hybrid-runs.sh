@@ -3,9 +3,10 @@
 # still needs, each under its own time limit so that one that stalls leaves the others their time. Each run's
 # results and server log go to $OUT/bench, packed at the end into one $OUT/hybrid-runs.tar.xz (the device tool
 # brings back at most 8 files).
-#   RUNS="probe128k recurrent32k chunk512 chunk8192 streamed64k fused32k chunked32k chunked16k chunked64k chunked128k
-#         upstream32k" [LIMIT_S=240] bash tools/gpu/hybrid-runs.sh
-# (fused/chunked: the carry's state update, --ridgefill-state-update; upstream32k needs the upstream build)
+#   RUNS="probe128k recurrent32k chunk512 chunk8192 streamed64k fused32k chunked32k upstream32k" [LIMIT_S=240] \
+#       bash tools/gpu/hybrid-runs.sh
+# (fused/chunked: the carry's state update, --ridgefill-state-update; upstream32k needs the upstream build and no
+# SERVER_ARGS, which the upstream server would refuse)
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 out="${OUT:-$repo/results}"
@@ -37,9 +38,6 @@ for r in ${RUNS:-probe128k recurrent32k chunk512}; do
         streamed64k)  run "$r" TOKENS=65536 PLACEMENTS=streamed ;;
         fused32k)     run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update fused" ;;
         chunked32k)   run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update chunked" ;;
-        chunked16k)   run "$r" TOKENS=16384 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update chunked" ;;
-        chunked64k)   run "$r" TOKENS=65536 PLACEMENTS=resident,streamed SERVER_ARGS="--ridgefill-state-update chunked" ;;
-        chunked128k)  run "$r" TOKENS=131072 PLACEMENTS=resident,streamed SERVER_ARGS="--ridgefill-state-update chunked" ;;
         upstream32k)  run "$r" TOKENS=32768 PLACEMENTS=resident VS_UPSTREAM=1 ;;
         *)            echo "hybrid-runs: unknown run '$r'" >&2 ;;
     esac
