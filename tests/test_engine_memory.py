@@ -1,8 +1,9 @@
 """RidgeFill's memory: its buffers are sized when the maps are attached, from the context (x_S for every row the
 context holds, the exact rows' mask for one chunk, the inputs for the tail, the probe's), a prefill whose exact rows
 fit the tail allocates nothing more, and the exact rows' mask holds one chunk whatever their number: where every
-fill runs first, each chunk runs all late layers in turn and its mask is made once, otherwise once per layer, with
-the same logits byte for byte."""
+fill runs first, each chunk runs all late layers in turn, in the rows attach made for the exact rows' inputs, and its
+mask is made once; otherwise the inputs grow to every exact row and the mask is made once per layer; the same logits
+byte for byte."""
 from __future__ import annotations
 
 import json
@@ -80,11 +81,16 @@ def test_attach_sizes_the_buffers_from_the_context_and_a_prefill_within_the_tail
     assert res["streamed"]["at_attach"] > res["resident"]["at_attach"]
 
 
-def test_more_exact_rows_than_the_tail_grow_only_their_inputs_and_the_mask_stays_one_chunk(result):
+def test_more_exact_rows_than_the_tail_run_in_attachs_buffers_chunk_major_and_grow_only_their_inputs_layer_major(result):
     res, model = result
-    r = res["resident"]
     n_run = N_MANY + 1 + TAIL - 1  # the listed rows, position 0 (always exact) and this call's tail
-    assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1
+    for placement in ("resident", "streamed"):
+        r = res[placement]
+        assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1, (placement, r)
+    # resident maps take the chunk-major order, whose chunks reuse x_ex's rows in turn
+    assert res["resident"]["after_many"] == res["resident"]["after_tail"], res["resident"]
+    # streamed maps keep the layer-major order, where every run row's input waits for the next layer
+    r = res["streamed"]
     assert r["after_many"] - r["after_tail"] == 2 * 4 * ModelShape.from_gguf(model).n_embd * (n_run - 1025), r
 
 

@@ -28,16 +28,22 @@ def expected_buffers(d: int) -> int:
             + 2 * 4 * d * PROBE_ROWS + 4 * N_CTX * PROBE_ROWS + 4 * N_CTX)
 
 
-def run_server(model, maps, log_path) -> str:
+def run_server(model, maps, log_path) -> tuple[str, list[dict]]:
     """A server started and stopped; with maps it first serves one plain RidgeFill request of 4,000 tokens, whose
-    exact rows (the tail and position 0) fit the buffers attach made."""
+    exact rows (the tail and position 0) fit the buffers attach made, then one whose probe keeps half the prefix
+    exact."""
     extra = ("-fa", "off", "-b", str(N_UBATCH), "-ub", str(N_UBATCH), "-v")
+    timings = []
     with Server(model, maps, n_ctx=N_CTX, threads=2, extra=extra, log_path=log_path,
                 tail=TAIL if maps else None) as srv:
         if maps:
-            r = srv.complete(list(range(1000, 5000)), n_predict=1, ridgefill=True, ridgefill_select="none")
-            assert r["timings"]["ridgefill"]["filled"] > 0, r["timings"]
-    return log_path.read_text(errors="replace")
+            prompt = [1000 + (i * 7919) % 20000 for i in range(4000)]
+            for fields in ({"ridgefill_select": "none"},
+                           {"ridgefill_select": "probe", "ridgefill_exact_share": 0.5}):
+                r = srv.complete(prompt, n_predict=1, ridgefill=True, **fields)
+                assert r["timings"]["ridgefill"]["filled"] > 0, r["timings"]
+                timings.append(r["timings"]["ridgefill"])
+    return log_path.read_text(errors="replace"), timings
 
 
 def fit_projection_mib(log: str) -> int:
@@ -58,18 +64,20 @@ def logs(smollm2_with_maps, tmp_path_factory):
     require_builds("ridgefill")
     model, maps = smollm2_with_maps
     d = tmp_path_factory.mktemp("server-memory-logs")
-    return run_server(model, None, d / "stock.log"), run_server(model, maps, d / "ridgefill.log"), maps, model
+    stock, _ = run_server(model, None, d / "stock.log")
+    rf, timings = run_server(model, maps, d / "ridgefill.log")
+    return stock, rf, maps, model, timings
 
 
 def test_fit_projects_the_maps_and_ridgefill_buffers_beside_the_model(logs):
-    stock, rf, maps, model = logs
+    stock, rf, maps, model, _ = logs
     grown = fit_projection_mib(rf) - fit_projection_mib(stock)
     expected = (maps.stat().st_size + expected_buffers(N_EMBD)) / MiB
     assert abs(grown - expected) <= 2, (grown, expected)
 
 
 def test_the_exit_breakdown_shows_the_maps_as_model_and_the_buffers_as_context_memory(logs):
-    stock, rf, maps, model = logs
+    stock, rf, maps, model, _ = logs
     (m0, c0), (m1, c1) = host_breakdown_mib(stock), host_breakdown_mib(rf)
     assert abs((m1 - m0) - maps.stat().st_size / MiB) <= 1, (m0, m1)
     assert abs((c1 - c0) - expected_buffers(N_EMBD) / MiB) <= 1, (c0, c1)
@@ -77,7 +85,7 @@ def test_the_exit_breakdown_shows_the_maps_as_model_and_the_buffers_as_context_m
 
 
 def test_a_ridgefill_prefill_within_the_tail_grows_nothing_beyond_what_attach_reserved_and_fit_projected(logs):
-    _, rf, _, _ = logs
+    _, rf, _, _, _ = logs
     assert parse_breakdown(rf)["Host"]["self"] == fit_projection_mib(rf)
     reserved = float(re.findall(r"RidgeFill's graphs reserved: CPU compute buffer ([\d.]+) MiB", rf)[-1])
     # llama.cpp says how big the compute buffer was when the context was freed, where it differs from its own
@@ -85,6 +93,16 @@ def test_a_ridgefill_prefill_within_the_tail_grows_nothing_beyond_what_attach_re
     grown = compute_growth(rf).get("CPU")
     held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", rf)[-1])
     assert abs(held - reserved) < 0.01, (held, reserved)
+
+
+def test_a_prefill_with_more_exact_rows_than_attach_made_room_for_runs_in_the_same_buffers(logs):
+    # the second request's exact rows are the probe's half of the prefix and the tail, more than twice the rows
+    # of the tail and position 0 that attach made room for; its chunks take those rows in turn, so the context
+    # memory the breakdown shows on exit is still attach's
+    stock, rf, _, _, timings = logs
+    assert timings[1]["exact"] + timings[1]["tail"] > 2 * (TAIL + 1), timings
+    (_, c0), (_, c1) = host_breakdown_mib(stock), host_breakdown_mib(rf)
+    assert abs((c1 - c0) - expected_buffers(N_EMBD) / MiB) <= 1, (c0, c1, timings)
 
 
 @pytest.mark.parametrize("state_update", ["fused", "chunked"])
