@@ -36,8 +36,13 @@ for placement in ("resident", "streamed"):
     logits_tail, _, st_tail = S.ridgefill(tokens)
     after_tail = B.buffer_bytes(S.ctx)
     logits, _, st = S.ridgefill(tokens, exact_rows=list(range(10, 10 + cfg["n_many"])))
+    after_many = B.buffer_bytes(S.ctx)
+    B.configure(S.ctx, probe=[16, 8])  # the listed rows run exactly in the probe's pass as well
+    _, _, st_probe = S.ridgefill(tokens, exact_rows=list(range(10, 10 + cfg["n_many"])))
+    B.configure(S.ctx, probe=[0, 0])
     out[placement] = {"at_attach": at_attach, "with_probe": with_probe, "after_tail": after_tail,
-                      "after_many": B.buffer_bytes(S.ctx), "tail_masks": st_tail["n_masks_made"],
+                      "after_many": after_many, "after_probe_many": B.buffer_bytes(S.ctx),
+                      "probe_exact": st_probe["n_probe_exact"], "tail_masks": st_tail["n_masks_made"],
                       "masks": st["n_masks_made"], "n_exact": st["n_exact"], "n_tail": st["n_tail"],
                       "applied": st["applied"], "device_mask": st["device_mask"],
                       "logits": logits.tobytes().hex(), "logits_tail": logits_tail.tobytes().hex()}
@@ -87,8 +92,11 @@ def test_more_exact_rows_than_the_tail_run_in_attachs_buffers_chunk_major_and_gr
     for placement in ("resident", "streamed"):
         r = res[placement]
         assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1, (placement, r)
-    # resident maps take the chunk-major order, whose chunks reuse x_ex's rows in turn
-    assert res["resident"]["after_many"] == res["resident"]["after_tail"], res["resident"]
+    # resident maps take the chunk-major order, whose chunks reuse x_ex's rows in turn, as do the known exact
+    # rows in the probe's pass
+    r = res["resident"]
+    assert r["after_many"] == r["after_tail"] and r["probe_exact"] == 8, r
+    assert r["after_probe_many"] == r["after_tail"], r
     # streamed maps keep the layer-major order, where every run row's input waits for the next layer
     r = res["streamed"]
     assert r["after_many"] - r["after_tail"] == 2 * 4 * ModelShape.from_gguf(model).n_embd * (n_run - 1025), r

@@ -164,6 +164,31 @@ def test_the_probe_makes_exact_the_rows_the_last_rows_attend_to_most_as_numpy_ra
     assert st["n_probe"] == n_probe and st["n_probe_exact"] == n_exact
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_probe_over_known_exact_rows_of_several_chunks_ranks_and_fills_as_numpy(arch, deep_tiny, tmp_path):
+    # the listed rows run exactly in the probe's pass before its rows: three chunks of 32 (flash attention off, a
+    # ubatch) through every late layer in turn, their inputs in a ring of one chunk's rows
+    require_builds("ridgefill")
+    n_probe, n_exact = 16, 8
+    model, maps = deep_tiny[arch]
+    listed = list(range(3, 3 + 2 * 70, 2))
+    runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "chunk": 48, "min_prefix": 0,
+                                       "exact_rows": listed, "probe": [n_probe, n_exact]}}]
+    arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    prefix = len(tokens) - SELECTOR_TAIL
+    assert listed[-1] < prefix - n_exact, (prefix, listed[-1])
+    ref, mats = reference_and_maps(model, maps)
+    score = ref.probe_scores(tokens[:-1], SPLIT, SELECTOR_TAIL - 1, n_probe, mats, exact=set(listed))
+    ranked = sorted(set(range(1, prefix)) - set(listed), key=lambda r: (-score[r], r))
+    chosen = set(ranked[:n_exact])
+    st = stats["sel"]
+    assert st["applied"] == 1 and st["n_probe_exact"] == n_exact
+    assert st["exact_rows"] == sorted({0} | set(listed) | chosen), (st["exact_rows"], sorted(chosen))
+    expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, set(listed) | chosen)[-1]
+    assert np.abs(arrays["sel"] - expected).max() / np.abs(expected).max() < 2e-5
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_attention_selector_keeps_the_rows_the_last_rows_attend_to_most_below_the_split(arch, deep_tiny, tmp_path):
     require_builds("ridgefill")
