@@ -684,6 +684,39 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
 
 
+@eval_group.command("facts")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", "maps", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
+              help="maps file(s); each gives a split (repeatable)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="results folder; a run that stopped resumes from it")
+@click.option("--docs", multiple=True, type=click.Path(exists=True),
+              help="documents (files, or folders named by domain); default: the default corpus's held-out text")
+@click.option("--lengths", default="4096", show_default=True, help="prompt lengths in the model's tokens, e.g. 4k,8k")
+@click.option("--samples", default=12, show_default=True, help="prompts per length")
+@click.option("--tail", "tails", multiple=True, type=int, default=(1024,), show_default=True,
+              help="exact tail T (repeatable)")
+@click.option("--arms", default="ridge,ridge+probe,ridge+random:probe", show_default=True,
+              help="as eval needles takes them, but for the none fill (a follow-up decodes over the cache)")
+@_selector_options
+@click.option("--format", "fmt", type=click.Choice(["auto", "chat", "completion"]), default="auto",
+              show_default=True, help="auto: chat when the model has a chat template")
+@click.option("--seed", default=0, show_default=True)
+@click.option("-t", "--threads", type=int, default=None)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=0)
+def eval_facts(model, maps, out_dir, docs, lengths, samples, tails, arms, exact_share, budget, whole_numbers,
+               probe_share, probe_rows, query_rows, fmt, seed, threads, n_gpu_layers) -> None:
+    """Facts in real text asked in other words, then a follow-up about another fact over the reused cache."""
+    from .eval.facts import FactOptions, run_facts
+
+    opts = FactOptions(docs=tuple(docs), lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
+                       arms=_arms(arms, selectors=True, follows=True), fmt=fmt, seed=seed, threads=threads,
+                       n_gpu_layers=n_gpu_layers,
+                       selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
+                                            seed))
+    _run_instrument(run_facts, model, list(maps), out_dir, opts, out_dir=out_dir)
+
+
 @eval_group.command("agreement")
 @_document_options("ridge,identity")
 @click.option("--continue-tokens", default=256, show_default=True, help="length of the exact greedy continuation")

@@ -95,3 +95,14 @@ def smollm2_with_random_maps(folder: Path) -> tuple[Path, Path]:
     src = write_float_file(folder / "maps.safetensors", SMOLLM2_SPLIT,
                            list(range(SMOLLM2_SPLIT + 1, SMOLLM2_N_LAYER)), SMOLLM2_N_EMBD, dtype="f16", seed=1)
     return model, Path(convert(src, folder / "maps.gguf", model=model).out)
+
+
+def tiny_qwen3_with_random_maps(folder: Path):
+    """A 4-layer random qwen3 with a real tokenizer and random maps at split 1, for the eval instruments."""
+    import dataclasses
+
+    from ridgefill_gguf.maps.synthetic import write_random_maps
+    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+
+    model = write_random_model(folder / "m.gguf", dataclasses.replace(tiny_shape("qwen3"), n_layer=4), seed=9)
+    return model, write_random_maps(model, 1, folder / "maps.gguf")

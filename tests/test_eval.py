@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, require_builds
+from conftest import ROOT, require_builds, tiny_qwen3_with_random_maps
 from ridgefill_gguf.eval.stats import binomial_floor, bootstrap_mean, noninferiority
 from ridgefill_gguf.eval.tokens import key_mask, novel_mask, token_nll
 
@@ -193,11 +193,7 @@ def test_needle_prompts_have_the_asked_length_and_put_each_needle_where_the_samp
 
 
 def _tiny_model_and_maps(tmp_path):
-    from ridgefill_gguf.maps.synthetic import write_random_maps
-    from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-
-    model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("qwen3"), n_layer=4), seed=9)
-    return model, write_random_maps(model, 1, tmp_path / "maps.gguf")
+    return tiny_qwen3_with_random_maps(tmp_path)
 
 
 def test_eval_needles_runs_every_arm_none_included_resumes_and_plumb_answers_as_exact(tmp_path):

@@ -65,14 +65,21 @@ class Session:
 
     def apply_chat_template(self, user: str) -> str:
         """One user turn formatted by llama.cpp's chat templates, up to the assistant's answer."""
-        msg = (self.lc.llama_chat_message * 1)(self.lc.llama_chat_message(role=b"user", content=user.encode()))
+        return self.apply_chat([{"role": "user", "content": user}])
+
+    def apply_chat(self, messages: list[dict]) -> str:
+        """A conversation ({role, content} turns) formatted by llama.cpp's chat templates, up to the assistant's
+        next answer."""
+        contents = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        msg = (self.lc.llama_chat_message * len(contents))(
+            *[self.lc.llama_chat_message(role=r, content=c) for r, c in contents])
         tmpl = self.lc.llama_model_chat_template(self.llm.model, None)
-        size = len(user) * 2 + 1024
+        size = sum(len(c) for _, c in contents) * 2 + 1024
         buf = ctypes.create_string_buffer(size)
-        n = self.lc.llama_chat_apply_template(tmpl, msg, 1, True, buf, size)
+        n = self.lc.llama_chat_apply_template(tmpl, msg, len(contents), True, buf, size)
         if n > size:
             buf = ctypes.create_string_buffer(n)
-            n = self.lc.llama_chat_apply_template(tmpl, msg, 1, True, buf, n)
+            n = self.lc.llama_chat_apply_template(tmpl, msg, len(contents), True, buf, n)
         if n < 0:
             raise RuntimeError("llama.cpp cannot apply this model's chat template")
         return buf.raw[:n].decode()
@@ -177,6 +184,19 @@ class Session:
     def _last_logits(self) -> np.ndarray:
         ptr = self.lc.llama_get_logits_ith(self.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def extend(self, cached: list[int], tokens: list[int]) -> tuple[np.ndarray, int]:
+        """Continue a sequence whose cache holds `cached` with the prompt `tokens`, as llama-server's cache_prompt
+        does: the longest common prefix stays (whatever prefill made its cells), the rest is decoded stock.
+        Returns (the last row's logits, the positions reused)."""
+        k = 0
+        while k < min(len(cached), len(tokens) - 1) and cached[k] == tokens[k]:
+            k += 1
+        self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(self.ctx), 0, k, -1)
+        for start in range(k, len(tokens), self.n_batch):
+            part = tokens[start:start + self.n_batch]
+            self._decode(part, start, "last" if start + len(part) == len(tokens) else None)
+        return self._last_logits(), k
 
     def clear(self) -> None:
         self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)

@@ -1,0 +1,448 @@
+"""Facts in real text asked in other words: the questions people ask about a long document.
+
+Each prompt is a document's opening (prose, code, legal, science, encyclopedic or chat text) with four facts put
+at random paragraph or line boundaries, each fact written for its domain. The first question asks for one fact in
+words that share no run of four with any fact of the prompt (`shares_run` proves it for every sample), so the
+lexical net has nothing to match; the follow-up asks for another fact, as a chat continuation over the cache the
+first request left (the server's `cache_prompt`), so its rows are whatever the first prefill made of them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .arms import SelectorOptions
+
+RUN = 4  # the lexical net matches runs of this many words
+
+
+@dataclass(frozen=True)
+class FactTemplate:
+    domain: str
+    fact: str       # {value} is the answer; {name} and {place} name who or where
+    question: str   # the same fact in other words
+
+
+FACTS = (
+    FactTemplate("prose", "When the storm had finally passed, {name} counted {value} sheep left in the lower meadow.",
+                 "After the bad weather ended, how many animals of the flock did {name} find still grazing in the "
+                 "field below?"),
+    FactTemplate("prose", "The innkeeper at {place} charged travellers {value} pennies for a bed and a bowl of soup.",
+                 "What price did the man running the lodging house in {place} ask of visitors for a night's rest "
+                 "with supper?"),
+    FactTemplate("prose", "Her brother's letter was sealed with green wax and dated {value}, the year the mill burned.",
+                 "In which year was the message her sibling sent written, according to its date?"),
+    FactTemplate("code", "UPLOAD_RETRY_LIMIT = {value}  # a failed upload is tried again at most this many times",
+                 "In the source, what number caps how often sending a file that did not arrive gets repeated?"),
+    FactTemplate("code", "METRICS_EXPORTER_PORT = {value}  # where the metrics exporter listens by default",
+                 "Which network port does the component that publishes measurements accept connections on?"),
+    FactTemplate("legal", "A tenant who leaves before the term ends shall pay the landlord a penalty of {value} "
+                          "dollars.",
+                 "What sum does an occupant owe the owner of the property for moving out early?"),
+    FactTemplate("legal", "Any person who fails to file the annual report with the clerk of {place} shall be fined "
+                          "{value} dollars for each day of delay.",
+                 "How much is charged per late day to someone in {place} who does not submit the yearly statement?"),
+    FactTemplate("science", "In the final trial the alloy melted at {value} degrees Celsius, well above the earlier "
+                            "estimate.",
+                 "What temperature did the metal mixture turn liquid at during the last experiment?"),
+    FactTemplate("science", "The survey recorded {value} nesting pairs of herons along the {place} estuary.",
+                 "How many breeding couples of those wading birds did the study count near the river mouth at "
+                 "{place}?"),
+    FactTemplate("encyclo", "The stone bridge at {place} was completed in {value} after nine years of work.",
+                 "In which year did builders finish the crossing over the river at {place}?"),
+    FactTemplate("encyclo", "The lighthouse on the cape near {place} stands {value} feet tall.",
+                 "How high is the tower that guides ships off the coast by {place}?"),
+    FactTemplate("chat", "{name}: okay, so the budget for the new prototype is {value} euros, that's final.",
+                 "How much money was agreed on for building the next trial version of the product?"),
+)
+DOMAINS = tuple(sorted({f.domain for f in FACTS}))
+NAMES = ("Marta", "Tobias", "Ilse", "Corwin", "Agnes", "Rufus", "Delia", "Osric", "Wren", "Hugo", "Petra", "Silas")
+PLACES = ("Harlow Cross", "Emberfield", "Kestrel Bay", "Old Wick", "Farrowdale", "Minster Ford", "Coldharbour",
+          "Ashby Marsh", "Ravenhythe", "Thornbury")
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words as the lexical net sees them: runs of letters and digits."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def shares_run(a: str, b: str, n: int = RUN) -> bool:
+    """Whether a and b have a run of n words in common."""
+    wa, wb = words(a), words(b)
+    grams = {tuple(wa[i:i + n]) for i in range(len(wa) - n + 1)}
+    return any(tuple(wb[i:i + n]) in grams for i in range(len(wb) - n + 1))
+
+
+@dataclass(frozen=True)
+class Fact:
+    domain: str
+    text: str
+    question: str
+    answer: str
+
+
+def make_fact(t: FactTemplate, rng: random.Random, taken: set[str]) -> Fact:
+    """The template with a name, a place and an answer no other fact of the prompt has (a year for the dated
+    facts, else a number of three or four digits)."""
+    while True:
+        value = str(rng.randrange(1620, 1890) if "year" in t.question.lower() else rng.randrange(120, 9900))
+        if value not in taken:
+            break
+    slots = {"name": rng.choice(NAMES), "place": rng.choice(PLACES), "value": value}
+    return Fact(t.domain, t.fact.format(**slots), t.question.format(**slots), value)
+
+
+def choose_facts(domain: str, rng: random.Random, n: int = 4) -> list[Fact]:
+    """n facts, those of the document's domain first; every question clear of every fact by shares_run."""
+    own = [t for t in FACTS if t.domain == domain]
+    other = [t for t in FACTS if t.domain != domain]
+    rng.shuffle(own)
+    rng.shuffle(other)
+    facts: list[Fact] = []
+    for t in (own + other)[:n]:
+        facts.append(make_fact(t, rng, {f.answer for f in facts}))
+    for q in facts:
+        for f in facts:
+            if shares_run(q.question, f.text):
+                raise AssertionError(f"question {q.question!r} repeats a run of {RUN} words of {f.text!r}")
+    return facts
+
+
+def boundaries(text: str) -> list[int]:
+    """Where a fact may go: after a blank line, or after any line break where there are few blank lines."""
+    paras = [m.end() for m in re.finditer(r"\n\s*\n", text)]
+    return paras if len(paras) >= 16 else [m.end() for m in re.finditer(r"\n", text)]
+
+
+@dataclass
+class FactSample:
+    sample_id: str
+    document: str
+    domain: str
+    n_tokens: int
+    facts: list[dict]             # Fact fields and rows: [first, end) prompt rows
+    asked: int                    # the first question's fact
+    follow_up: int                # the follow-up's fact
+    prompt_sha: str
+
+    def filled_region(self, tail: int, k: int) -> bool:
+        """Fact k lies before the first prefill's tail."""
+        return self.facts[k]["rows"][1] <= self.n_tokens - tail
+
+
+def body(document: str, question: str) -> str:
+    return ("Read the document below, then answer the question after it in a few words.\n\n"
+            f"<document>\n{document}\n</document>\n\nQuestion: {question}")
+
+
+class FactPromptBuilder:
+    """Prompts of about `length` tokens from a document's opening, with four facts in it."""
+
+    def __init__(self, tokenize: Callable[[str], list[int]], chat: Callable[[list[dict]], str] | None):
+        self.tokenize = tokenize  # text (with special markup) -> tokens, BOS included
+        self.chat = chat          # messages -> the formatted conversation up to the assistant's turn, or None
+
+    def first(self, document: str, question: str) -> str:
+        text = body(document, question)
+        return self.chat([{"role": "user", "content": text}]) if self.chat else f"{text}\nAnswer:"
+
+    def follow_up(self, document: str, question: str, answer: str, question2: str) -> str:
+        """The conversation after the first answer, asking question2."""
+        again = f"Another question about the same document: {question2}"
+        if self.chat:
+            return self.chat([{"role": "user", "content": body(document, question)},
+                              {"role": "assistant", "content": answer}, {"role": "user", "content": again}])
+        return f"{self.first(document, question)}{answer}\n{again}\nAnswer:"
+
+    def build(self, name: str, domain: str, text: str, length: int, index: int, seed: int
+              ) -> tuple[FactSample, list[int], str]:
+        rng = random.Random(f"{seed}/{name}/{length}/{index}")
+        facts = choose_facts(domain, rng)
+        asked, follow_up = rng.sample(range(len(facts)), 2)
+        question = facts[asked].question
+        # the document's opening, cut to leave room for the facts and the question
+        overhead = len(self.tokenize(self.first("\n".join(f.text for f in facts), question)))
+        per_char = len(self.tokenize(text[:20000])) / max(len(text[:20000]), 1)
+        cut = int((length - overhead) / max(per_char, 1e-6))
+        document = text[:cut]
+        for _ in range(3):  # the tokenizer's rate varies along a document
+            n = len(self.tokenize(document)) + overhead
+            cut = int(cut * length / max(n, 1))
+            document = text[:cut]
+        spots = boundaries(document) or [len(document)]
+        at = sorted(rng.sample(spots, min(len(facts), len(spots))) if len(spots) >= len(facts)
+                    else [rng.choice(spots) for _ in facts])
+        order = list(range(len(facts)))
+        rng.shuffle(order)
+        parts, last = [], 0
+        for k, pos in zip(order, at):
+            parts += [document[last:pos], facts[k].text + "\n"]
+            last = pos
+        parts.append(document[last:])
+        document = "".join(parts)
+        prompt = self.first(document, question)
+        tokens = self.tokenize(prompt)
+        rows = {}
+        for k in order:
+            start = prompt.index(facts[k].text)
+            rows[k] = [len(self.tokenize(prompt[:start])), len(self.tokenize(prompt[:start + len(facts[k].text)]))]
+        fields = [{**f.__dict__, "rows": rows[k]} for k, f in enumerate(facts)]
+        sha = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+        sample = FactSample(f"{domain}-{length}-{index}", name, domain, len(tokens), fields, asked, follow_up, sha)
+        return sample, tokens, document
+
+
+def answered(prediction: str, answer: str) -> float:
+    """1 when the answer's digits appear in the prediction (case and spacing aside), else 0."""
+    return float(answer in re.sub(r"[\s,]", "", prediction))
+
+
+# --- the instrument: `ridgefill-gguf eval facts` ---------------------------------------------------------------
+
+MAX_NEW = 24
+MECHANISMS = ("tail", "special", "lexical", "number", "selected", "filled")
+CORPUS_DOMAINS = {"shakespeare": "prose", "python": "code"}  # the default corpus's folders
+
+
+@dataclass
+class FactOptions:
+    docs: tuple[str, ...] = ()      # files or folders (a folder per domain); none: the default corpus's held-out text
+    lengths: tuple[int, ...] = (4096,)
+    samples: int = 12
+    tails: tuple[int, ...] = (1024,)
+    arms: tuple[str, ...] = ("ridge", "ridge+probe", "ridge+random:probe")
+    fmt: str = "auto"
+    seed: int = 0
+    threads: int | None = None
+    n_gpu_layers: int = 0
+    flash_attn: bool = True
+    selectors: SelectorOptions = field(default_factory=SelectorOptions)
+
+
+def mechanism_counts(rows: list[int], st: dict, first_tail: int, lexical: set[int], digits: set[int],
+                     special: set[int]) -> dict[str, int]:
+    """Per row of a fact, what kept it exact in the first prefill, or that it was filled: the tail, a special token,
+    the lexical net's match, a digit (the probe's ranking or a whole number completed), another selected row (the
+    probe's ranking, or the arm's random or protected rows)."""
+    exact = set(st.get("exact_rows", []))
+    out = dict.fromkeys(MECHANISMS, 0)
+    for r in range(*rows):
+        kind = ("tail" if r >= first_tail else "filled" if r not in exact else "special" if r in special else
+                "lexical" if r in lexical else "number" if r in digits else "selected")
+        out[kind] += 1
+    return out
+
+
+def _documents(opts: FactOptions) -> list[tuple[str, str, str]]:
+    """(name, domain, text) of every document, in a stable order."""
+    from ..corpus import default_corpus
+    from ..fit.capture import iter_documents
+    from .documents import domain
+
+    paths = list(opts.docs) or [str(default_corpus() / "heldout")]
+    by_domain: dict[str, list] = {}
+    for doc in iter_documents(paths):
+        d = domain(doc.name)
+        d = d if d in DOMAINS else CORPUS_DOMAINS.get(d, "prose")
+        by_domain.setdefault(d, []).append((doc.name, d, doc.text))
+    # the domains in turn, so that the first samples already cover every one
+    lists = [by_domain[d] for d in sorted(by_domain)]
+    return [docs[i] for i in range(max(map(len, lists))) for docs in lists if i < len(docs)]
+
+
+def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str], None] = print) -> dict:
+    from pathlib import Path
+
+    from .. import libs
+    from ..engine.session import Session
+    from ..gguf_io import read_gguf
+    from ..select import rules
+    from ..select.pieces import prompt_pieces
+    from ..util import write_atomic
+    from .arms import arm_params, parse_arms, selected
+    from .documents import append_jsonl, load_jsonl
+
+    arms = parse_arms(opts.arms, follows=True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.jsonl"
+    done = {(r["sample"], r["config"], r["arm"]): r for r in load_jsonl(results_path)}
+    splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
+    docs = [d for d in _documents(opts) if len(d[2]) > 4 * max(opts.lengths)]
+    if not docs:
+        raise ValueError(f"no document is long enough for {max(opts.lengths)} tokens")
+    libs.use_build("ridgefill")
+    sess = Session(model, n_ctx=max(opts.lengths) + 3 * MAX_NEW + 256, n_batch=512, n_ubatch=512,
+                   flash_attn=opts.flash_attn, n_threads=opts.threads, n_gpu_layers=opts.n_gpu_layers)
+    fmt = opts.fmt if opts.fmt != "auto" else ("chat" if sess.chat_template() else "completion")
+    builder = FactPromptBuilder(lambda t: sess.tokenize(t, special=True), sess.apply_chat if fmt == "chat" else None)
+
+    def converse(sample: FactSample, tokens: list[int], document: str, params: dict | None) -> dict:
+        if params is None:
+            logits, _ = sess.stock(tokens)
+            st = {}
+        else:
+            logits, _, st = sess.ridgefill(tokens, **params)
+        out1, _ = sess.follow(logits, len(tokens), MAX_NEW)
+        pred1 = sess.detokenize(out1)
+        f1, f2 = sample.facts[sample.asked], sample.facts[sample.follow_up]
+        tokens2 = sess.tokenize(builder.follow_up(document, f1["question"], pred1, f2["question"]), special=True)
+        cached = tokens + (out1[:-1] if len(out1) == MAX_NEW else out1)
+        logits2, reused = sess.extend(cached, tokens2)
+        pred2 = sess.detokenize(sess.greedy(logits2, len(tokens2), MAX_NEW))
+        return {"pred": pred1, "pred_follow_up": pred2, "reused": reused, "score": answered(pred1, f1["answer"]),
+                "score_follow_up": answered(pred2, f2["answer"]), "stats": st}
+
+    samples: list[FactSample] = []
+    try:
+        for length in opts.lengths:
+            for index in range(opts.samples):
+                name, dom, text = docs[index % len(docs)]
+                sample, tokens, document = builder.build(name, dom, text, length, index, opts.seed)
+                samples.append(sample)
+                pieces, breaks = prompt_pieces(sess.llama_cpp, sess.llm.model, tokens[:-1])
+                jobs = [("exact", None, None, None)] + [
+                    (f"S{split}-T{tail}", m, tail, arm) for m, split in splits.items() for tail in opts.tails
+                    for arm in arms]
+                counts: dict = {}
+                marks = []
+                for config, m, tail, arm in jobs:
+                    key = (sample.sample_id, config, "exact" if arm is None else arm.name)
+                    if key not in done:
+                        params = None
+                        if arm is not None:
+                            sess.attach(m)
+                            params = {**arm_params(arm, len(tokens), tail, opts.selectors, counts.get(config, {})),
+                                      "tail": tail, "min_prefix": 0}
+                        r = converse(sample, tokens, document, params)
+                        st = r.pop("stats")
+                        if st.get("applied"):
+                            prefix = len(tokens) - 1 - st["n_tail"]
+                            lexical = set(rules.lexical_rows(pieces, breaks, prefix))
+                            digits = set(rules.digit_rows(pieces, breaks, prefix))
+                            special = {0} | {i for i, b in enumerate(breaks) if b}
+                            r["mechanisms"] = [mechanism_counts(f["rows"], st, prefix, lexical, digits, special)
+                                               for f in sample.facts]
+                        r["stats"] = {k: st[k] for k in ("applied", "n_filled", "n_exact", "n_tail", "n_probe_exact",
+                                                         "n_lexical", "n_whole_numbers", "n_budget", "reason")
+                                      if k in st}
+                        r.update(sample=sample.sample_id, config=config, arm=key[2])
+                        append_jsonl(results_path, r)
+                        done[key] = r
+                    if arm is not None and arm.selector:
+                        counts.setdefault(config, {})[arm.selector] = selected(done[key]["stats"], arm.selector)
+                    marks.append(f"{key[1]} {key[2]} {done[key]['score']:.0f}/{done[key]['score_follow_up']:.0f}")
+                log(f"eval facts: sample {len(samples)}/{len(opts.lengths) * opts.samples} ({sample.domain}, "
+                    f"{sample.n_tokens} tokens): " + ", ".join(marks))
+                write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(s.__dict__) + "\n" for s in samples))
+                # the summary so far, so that a run a deadline cuts still has one
+                result = write_facts_summary(out_dir, samples, list(done.values()), model, maps, splits, opts, fmt)
+    finally:
+        sess.close()
+    return result
+
+
+def write_facts_summary(out_dir, samples: list[FactSample], answers: list[dict], model, maps: list, splits: dict,
+                        opts: FactOptions, fmt: str) -> dict:
+    from ..util import hardware
+    from .documents import write_summary
+
+    result = summarize(samples, answers, splits, opts)
+    result.update(instrument="eval facts", hardware=hardware(), model=str(model), maps=[str(m) for m in maps],
+                  format=fmt, options={k: v for k, v in opts.__dict__.items() if k != "selectors"},
+                  selectors=opts.selectors.__dict__)
+    write_summary(out_dir, result, markdown(result), plot)
+    return result
+
+
+def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts: FactOptions) -> dict:
+    """Per configuration and arm, for the first question and the follow-up: accuracy on the samples whose asked
+    fact lies before the tail, the paired difference from exact (bootstrap within domains), and what kept the
+    asked facts' rows exact."""
+    from .stats import bootstrap_mean
+
+    by = {(r["sample"], r["config"], r["arm"]): r for r in answers}
+    configs = {}
+    for split in sorted(set(splits.values())):
+        for tail in opts.tails:
+            name = f"S{split}-T{tail}"
+            table = {}
+            for turn, field, fact in (("first", "score", "asked"), ("follow_up", "score_follow_up", "follow_up")):
+                usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
+                          and (s.sample_id, "exact", "exact") in by]
+                arms = {"exact": {"accuracy": _mean([by[(s.sample_id, "exact", "exact")][field] for s in usable])}}
+                for arm in opts.arms:
+                    got = [s for s in usable if (s.sample_id, name, arm) in by]
+                    rows = [by[(s.sample_id, name, arm)] for s in got]
+                    mech = dict.fromkeys(MECHANISMS, 0)
+                    for s, r in zip(got, rows):
+                        for k, v in (r.get("mechanisms") or [{}] * len(s.facts))[getattr(s, fact)].items():
+                            mech[k] += v
+                    arms[arm] = {"accuracy": _mean([r[field] for r in rows]), "samples": len(rows),
+                                 "delta": bootstrap_mean([r[field] - by[(s.sample_id, "exact", "exact")][field]
+                                                          for s, r in zip(got, rows)], strata=[s.domain for s in got]),
+                                 "fact_rows": mech}
+                table[turn] = {"samples": len(usable), "arms": arms}
+            configs[name] = {"split": split, "tail": tail, "turns": table}
+    return {"configs": configs, "n_samples": len(samples),
+            "domains": sorted({s.domain for s in samples})}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}"
+
+
+def markdown(result: dict) -> str:
+    from pathlib import Path
+
+    o = result["options"]
+    lines = [f"# Facts asked in other words: {Path(result['model']).name}", "",
+             f"{result['n_samples']} prompts of {', '.join(map(str, o['lengths']))} tokens ({', '.join(result['domains'])}); "
+             f"{result['format']} prompts; seed {o['seed']}. Accuracy in % on the samples whose asked fact lies "
+             "before the tail; Δ = arm minus exact, paired [95% bootstrap interval]. The follow-up asks another fact "
+             "over the cache the first answer left. Fact rows: what kept the asked fact's rows exact in the first "
+             "prefill (tail / special / lexical net / digit: probe or whole number / other selected / filled).", "",
+             "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/d/sel/filled |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, c in result["configs"].items():
+        for turn, t in c["turns"].items():
+            for arm in o["arms"]:
+                a = t["arms"][arm]
+                d = a["delta"]
+                delta = "n/a" if not d["n"] else f"{100 * d['mean']:+.0f} [{100 * d['lo']:+.0f}, {100 * d['hi']:+.0f}]"
+                m = "/".join(str(a["fact_rows"][k]) for k in MECHANISMS)
+                lines.append(f"| {name} | {turn} | {a['samples']} | {_pct(t['arms']['exact']['accuracy'])} | {arm} | "
+                             f"{_pct(a['accuracy'])} | {delta} | {m} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..util import save_figure
+
+    arms = ["exact", *result["options"]["arms"]]
+    configs = list(result["configs"].items())
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False)
+    for ax, (name, c) in zip(axes[0], configs):
+        for i, turn in enumerate(("first", "follow_up")):
+            ys = [100 * (c["turns"][turn]["arms"][a]["accuracy"] or 0) for a in arms]
+            ax.bar([k + (i - 0.5) * 0.4 for k in range(len(arms))], ys, 0.4, label=turn.replace("_", "-"))
+        ax.set_xticks(range(len(arms)), arms, rotation=20, fontsize=8)
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("facts answered (%)")
+        ax.set_title(name)
+        ax.legend()
+    fig.tight_layout()
+    save_figure(fig, path)

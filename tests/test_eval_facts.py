@@ -1,0 +1,62 @@
+"""eval facts: facts in real text asked in other words, and a follow-up over the reused cache."""
+from __future__ import annotations
+
+import json
+import random
+import textwrap
+from pathlib import Path
+
+from conftest import require_builds, tiny_qwen3_with_random_maps
+from ridgefill_gguf.eval import facts as F
+
+
+def test_every_question_shares_no_run_of_four_words_with_any_fact_of_its_prompt():
+    for seed in range(500):
+        for domain in F.DOMAINS:
+            facts = F.choose_facts(domain, random.Random(seed))
+            assert len({f.answer for f in facts}) == 4
+            assert facts[0].domain == domain  # the document's own domain first
+            for q in facts:
+                assert not any(F.shares_run(q.question, f.text) for f in facts), (q, facts)
+
+
+def test_shares_run_finds_a_run_of_four_words_across_case_and_punctuation():
+    assert F.shares_run("Where is the stone bridge at Old Wick?", "THE STONE BRIDGE, at dusk")
+    assert not F.shares_run("the stone bridge fell", "the stone wall of the bridge")
+
+
+def test_a_fact_is_answered_when_its_digits_appear_in_the_prediction():
+    assert F.answered(" It cost 1,742 dollars.", "1742") == 1.0
+    assert F.answered(" 174 dollars", "1742") == 0.0
+
+
+def test_eval_facts_asks_both_questions_over_the_reused_cache_and_plumb_answers_as_exact(tmp_path):
+    require_builds("ridgefill")
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    (tmp_path / "docs" / "code").mkdir(parents=True)
+    (tmp_path / "docs" / "code" / "textwrap.py.txt").write_text(Path(textwrap.__file__).read_text())
+    opts = F.FactOptions(docs=(str(tmp_path / "docs"),), lengths=(900,), samples=2, tails=(128,),
+                         arms=("plumb", "ridge", "ridge+probe", "ridge+random:probe"), fmt="completion", threads=2,
+                         flash_attn=False)
+    r = F.run_facts(model, [maps], tmp_path / "out", opts, log=lambda _: None)
+    samples = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    answers = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and len(answers) == 2 * 5
+    by = {(a["sample"], a["arm"]): a for a in answers}
+    for s in samples:
+        assert s["domain"] == "code" and abs(s["n_tokens"] - 900) < 60, s
+        exact, plumb = by[(s["sample_id"], "exact")], by[(s["sample_id"], "plumb")]
+        assert (plumb["pred"], plumb["pred_follow_up"]) == (exact["pred"], exact["pred_follow_up"])
+        for arm in ("ridge", "ridge+probe"):
+            a = by[(s["sample_id"], arm)]
+            assert a["stats"]["applied"] == 1 and a["stats"]["n_filled"] > 0
+            # the follow-up reuses the first prefill's cells: every fact's rows are in the common prefix
+            assert a["reused"] >= max(f["rows"][1] for f in s["facts"]), (a["reused"], s["facts"])
+            for f, m in zip(s["facts"], a["mechanisms"]):
+                assert sum(m.values()) == f["rows"][1] - f["rows"][0]
+                assert m["lexical"] == 0  # no question repeats four words of a fact
+        assert sum(by[(s["sample_id"], "ridge")]["mechanisms"][s["asked"]][k] for k in ("lexical", "selected")) == 0
+    t = r["configs"]["S1-T128"]["turns"]
+    assert set(t) == {"first", "follow_up"} and t["first"]["arms"]["plumb"]["delta"]["mean"] in (0.0, None)
+    assert (tmp_path / "out" / "summary.png").exists()
+    assert "| S1-T128 | follow_up |" in (tmp_path / "out" / "summary.md").read_text()
