@@ -119,11 +119,16 @@ def test_a_hybrids_ridgefill_prefill_needs_no_compute_buffer_beyond_what_attach_
              "--ridgefill-state-update", state_update)
     with Server(model, maps, n_ctx=2048, threads=2, extra=extra, log_path=tmp_path / "hybrid.log", tail=256,
                 min_prefix=0) as srv:
-        for select in ("none", "probe"):
+        for fields in ({"ridgefill_select": "none"}, {"ridgefill_select": "probe"},
+                       {"ridgefill_select": "probe", "ridgefill_exact_share": 0.9}):
             r = srv.complete([1000 + (i * 7919) % 20000 for i in range(1900)], n_predict=1, ridgefill=True,
-                             ridgefill_select=select, cache_prompt=False)
+                             cache_prompt=False, **fields)
             assert r["timings"]["ridgefill"]["filled"] > 0, r["timings"]
     log = (tmp_path / "hybrid.log").read_text(errors="replace")
+    # a hybrid's second sweep is layer-major: most of the prefix exact outgrows the exact rows' inputs attach made for
+    # the tail, and the log says so (at info level), since --fit did not count it
+    inputs = re.findall(r"RidgeFill's rf_x_exact_a grows from ([\d.]+) to ([\d.]+) MiB", log)
+    assert inputs and float(inputs[0][1]) > float(inputs[0][0]), inputs
     reserved = float(re.findall(r"RidgeFill's graphs reserved: CPU compute buffer ([\d.]+) MiB", log)[-1])
     grown = compute_growth(log).get("CPU")
     held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", log)[-1])
