@@ -363,7 +363,7 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
     """Per configuration and arm, for the first question and the follow-up: accuracy on the samples whose asked
     fact lies before the tail, the paired difference from exact (bootstrap within domains), and what kept the
     asked facts' rows exact."""
-    from .stats import bootstrap_mean
+    from .stats import bootstrap_mean, mean_or_none
 
     by = {(r["sample"], r["config"], r["arm"]): r for r in answers}
     configs = {}
@@ -374,7 +374,8 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
             for turn, field, fact in (("first", "score", "asked"), ("follow_up", "score_follow_up", "follow_up")):
                 usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
                           and (s.sample_id, "exact", "exact") in by]
-                arms = {"exact": {"accuracy": _mean([by[(s.sample_id, "exact", "exact")][field] for s in usable])}}
+                exact = [by[(s.sample_id, "exact", "exact")][field] for s in usable]
+                arms = {"exact": {"accuracy": mean_or_none(exact)}}
                 for arm in opts.arms:
                     got = [s for s in usable if (s.sample_id, name, arm) in by]
                     rows = [by[(s.sample_id, name, arm)] for s in got]
@@ -382,7 +383,7 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                     for s, r in zip(got, rows):
                         for k, v in (r.get("mechanisms") or [{}] * len(s.facts))[getattr(s, fact)].items():
                             mech[k] += v
-                    arms[arm] = {"accuracy": _mean([r[field] for r in rows]), "samples": len(rows),
+                    arms[arm] = {"accuracy": mean_or_none([r[field] for r in rows]), "samples": len(rows),
                                  "delta": bootstrap_mean([r[field] - by[(s.sample_id, "exact", "exact")][field]
                                                           for s, r in zip(got, rows)], strata=[s.domain for s in got]),
                                  "fact_rows": mech}
@@ -390,10 +391,6 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
             configs[name] = {"split": split, "tail": tail, "turns": table}
     return {"configs": configs, "n_samples": len(samples),
             "domains": sorted({s.domain for s in samples})}
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def _pct(x: float | None) -> str:
@@ -405,7 +402,8 @@ def markdown(result: dict) -> str:
 
     o = result["options"]
     lines = [f"# Facts asked in other words: {Path(result['model']).name}", "",
-             f"{result['n_samples']} prompts of {', '.join(map(str, o['lengths']))} tokens ({', '.join(result['domains'])}); "
+             f"{result['n_samples']} prompts of {', '.join(map(str, o['lengths']))} tokens "
+             f"({', '.join(result['domains'])}); "
              f"{result['format']} prompts; seed {o['seed']}. Accuracy in % on the samples whose asked fact lies "
              "before the tail; Δ = arm minus exact, paired [95% bootstrap interval]. The follow-up asks another fact "
              "over the cache the first answer left. Fact rows: what kept the asked fact's rows exact in the first "

@@ -27,7 +27,7 @@ from typing import Callable
 from ..util import hardware, save_figure, write_atomic
 from .arms import SelectorOptions, arm_params, parse_arms, selected
 from .documents import append_jsonl, load_jsonl, write_summary
-from .stats import bootstrap_mean
+from .stats import bootstrap_mean, mean_or_none
 
 TASKS = ("single", "multikey", "multivalue", "multiquery")
 ARMS = ("ridge", "identity")
@@ -324,7 +324,7 @@ def summarize(samples: list[Sample], answers: list[dict], splits: dict[str, int]
                     cfg = "exact" if arm == "exact" else name
                     all_scores = [score[(s.sample_id, cfg, arm)] for s in usable]
                     filled_scores = [score[(s.sample_id, cfg, arm)] for s in filled]
-                    entry = {"accuracy_all": _mean(all_scores), "accuracy_filled": _mean(filled_scores)}
+                    entry = {"accuracy_all": mean_or_none(all_scores), "accuracy_filled": mean_or_none(filled_scores)}
                     if arm != "exact":
                         # resampled within each task (paper §3.4)
                         entry["delta_filled"] = bootstrap_mean(
@@ -334,10 +334,6 @@ def summarize(samples: list[Sample], answers: list[dict], splits: dict[str, int]
                 table[group] = row
             configs[name] = {"split": split, "tail": tail, "groups": table}
     return {"configs": configs}
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def _pct(x: float | None) -> str:

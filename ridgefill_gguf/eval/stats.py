@@ -60,3 +60,8 @@ def _resampled_means(x: np.ndarray, resamples: int, seed: int, strata: np.ndarra
         xs = x[strata == s]
         total += xs[rng.integers(0, len(xs), size=(resamples, len(xs)))].sum(axis=1)
     return total / len(x)
+
+
+def mean_or_none(xs) -> float | None:
+    """The plain mean of a list, None when it is empty (an arm with no sample in a group)."""
+    return sum(xs) / len(xs) if xs else None
