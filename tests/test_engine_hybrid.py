@@ -34,10 +34,10 @@ def hybrid(tmp_path_factory):
     return slow_decay_hybrid(tmp_path_factory.mktemp("engine-hybrid"), "qwen35", seed=3, tokens_seed=0)
 
 
-def slow_decay_hybrid(d, arch: str, seed: int, tokens_seed: int):
-    """(model, F32 maps for layers S+1.., their matrices, the NumPy reference, 100 tokens) for an N_LAYER-layer
-    random model of `arch` whose states remember (long_memory_copy)."""
-    shape = dataclasses.replace(tiny_shape(arch), n_layer=N_LAYER)
+def slow_decay_hybrid(d, arch: str, seed: int, tokens_seed: int, n_tokens: int = 100, **fields):
+    """(model, F32 maps for layers S+1.., their matrices, the NumPy reference, n_tokens tokens) for an N_LAYER-layer
+    random model of `arch` (shape fields as given) whose states remember (long_memory_copy)."""
+    shape = dataclasses.replace(tiny_shape(arch), n_layer=N_LAYER, **fields)
     model = long_memory_copy(write_random_model(d / "stock.gguf", shape, seed=seed), d / f"{arch}.gguf")
     src = write_float_file(d / "maps.safetensors", SPLIT, list(range(SPLIT + 1, N_LAYER)), shape.n_embd,
                            dtype="f32", seed=seed + 1)
@@ -45,7 +45,7 @@ def slow_decay_hybrid(d, arch: str, seed: int, tokens_seed: int):
     g = read_gguf(maps)
     mats = {l: (tensor_f32(g, f"blk.{l}.rf_map.weight"), tensor_f32(g, f"blk.{l}.rf_map.bias"))
             for l in range(SPLIT + 1, N_LAYER)}
-    tokens = [int(t) for t in np.random.default_rng(tokens_seed).integers(1000, 5000, 100)]
+    tokens = [int(t) for t in np.random.default_rng(tokens_seed).integers(1000, 5000, n_tokens)]
     return model, maps, mats, HybridReference(model), tokens
 
 
@@ -189,7 +189,8 @@ def test_the_carrys_chunk_moves_the_logits_only_by_float_rounding_on_a_hybrid(hy
 def test_upstreams_chunked_state_update_follows_the_numpy_hybrid_arm_and_the_fused_op_to_float_rounding(arch, request,
                                                                                                   tmp_path):
     # the chunked graph pads a graph's rows to blocks of 64: carry graphs of 48 and 7 rows leave a padded block in
-    # every graph; the default is the fused op, llama_decode's
+    # every graph. The default asks the fused op for its blocked form, which only CUDA has (test_gpu_hybrid.py):
+    # on the CPU it is the fused op's row walk, llama_decode's, byte for byte
     require_builds("ridgefill")
     model, maps, mats, ref, tokens = request.getfixturevalue("hybrid" if arch == "qwen35" else "next_hybrid")
     exact_rows, n_probe, count = [5, 17, 40], 8, 10
@@ -197,7 +198,7 @@ def test_upstreams_chunked_state_update_follows_the_numpy_hybrid_arm_and_the_fus
     runs = [{"name": "default", "rows": TAIL, "params": base()}]
     runs += [{"name": f"{arm}|{update}|{rc}", "rows": TAIL,
               "params": {**base(**kw), "state_update": update, "recurrent_chunk": rc}}
-             for arm, kw in arms.items() for update, rc in (("fused", 0), ("chunked", 0), ("chunked", 7))]
+             for arm, kw in arms.items() for update, rc in (("fused", 0), ("blocked", 0), ("chunked", 0), ("chunked", 7))]
     arrays, stats = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
     ranked = numpy_ranked(ref, tokens, TAIL, mats, n_probe, count)
     arm = lambda **kw: hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, **kw)[0]  # noqa: E731
@@ -212,7 +213,8 @@ def test_upstreams_chunked_state_update_follows_the_numpy_hybrid_arm_and_the_fus
             assert stats[f"{name}|chunked|{rc}"]["n_filled"] > 0
             assert err < TOLERANCE and moved <= 1e-5, (name, rc, err, moved)
             assert chunked.tobytes() != fused.tobytes(), (name, rc)  # the other graph ran
-    assert arrays["default"].tobytes() == arrays["ridge|fused|0"].tobytes()
+        assert arrays[f"{name}|blocked|0"].tobytes() == fused.tobytes(), name
+    assert arrays["default"].tobytes() == arrays["ridge|blocked|0"].tobytes()
 
 
 @pytest.fixture(scope="module")

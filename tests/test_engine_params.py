@@ -81,9 +81,9 @@ def test_the_parameters_are_one_struct_with_defaults_and_a_setter_that_names_a_b
     # a bad field is named and nothing changes
     assert out["bad"] == [-1, "probe_share must be in [0, 1], not 1.500000"]
     assert out["after_bad"] == out["after_set"]
-    # a hybrid's carry updates its states in upstream's fused op unless asked for the chunked graph
-    assert out["defaults"]["state_update"] == bindings.STATE_UPDATES["fused"]
-    assert out["bad_update"] == [-1, "state_update must be 0 (fused) or 1 (chunked), not 7"]
+    # a hybrid's carry asks the fused op for its blocked form unless told to walk the rows or take the chunked graph
+    assert out["defaults"]["state_update"] == bindings.STATE_UPDATES["blocked"]
+    assert out["bad_update"] == [-1, "state_update must be 0 (fused), 1 (chunked) or 2 (blocked), not 7"]
     assert out["no_table"][0] == -1 and "rf_token_freq" in out["no_table"][1]
     # the servers' names map onto the struct; a research control is not one of them
     assert out["select_random"][0] == -1 and "unknown selector 'random'" in out["select_random"][1]

@@ -7,13 +7,21 @@ import numpy as np
 import pytest
 
 from conftest import require_cuda_builds
-from test_engine_hybrid import SPLIT, TAIL, base, hybrid, rel  # noqa: F401  (hybrid: a fixture)
+from test_engine_hybrid import SPLIT, TAIL, base, hybrid, numpy_ranked, rel, slow_decay_hybrid  # noqa: F401
 from test_engine_prefill import kl, run_engine
 from ridgefill_gguf.reference_hybrid_ridgefill import hybrid_probe_scores, hybrid_ridgefill_forward, stock_forward
 
 pytestmark = pytest.mark.gpu
 
 GPU = {"n_gpu_layers": -1, "flash_attn": True, "n_batch": 64, "n_ubatch": 32, "f32_cache": True}
+
+
+@pytest.fixture(scope="module")
+def wide_hybrid(tmp_path_factory):
+    """The slow-decay hybrid with 128-wide DeltaNet heads, the width CUDA's blocked state update takes, and 300
+    tokens, so the carry's graphs hold several 64-row blocks and a partial one."""
+    return slow_decay_hybrid(tmp_path_factory.mktemp("wide-hybrid"), "qwen35", seed=5, tokens_seed=1, n_tokens=300,
+                             ssm_d_state=128)
 
 
 def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_hybrid_on_cuda(hybrid, tmp_path):
@@ -77,3 +85,29 @@ def test_the_carrys_chunk_moves_a_hybrids_logits_no_more_than_stocks_own_ubatch_
             d = rel(arrays[f"{arm}|{rc}"], arrays[f"{arm}|0"])
             print(f"{arm}, carry in {rc}-row graphs: rel {d:.2e} (stock's ubatch 1 and 7: {floor:.2e})")
             assert d <= max(floor, 1e-4), (arm, rc, d, floor)
+
+
+def test_the_blocked_state_update_follows_numpy_and_the_row_walk_to_float_rounding_on_cuda(wide_hybrid, tmp_path):
+    # the default asks the fused op for its blocked form; on 128-wide heads CUDA takes it (other bytes than the row
+    # walk's), and it must stay as near NumPy as the row walk does
+    require_cuda_builds("ridgefill")
+    model, maps, mats, ref, tokens = wide_hybrid
+    exact_rows, n_probe, count = [5, 17, 40, 150, 151], 8, 10
+    arms = {"ridge": {}, "rows": {"exact_rows": exact_rows}, "probe_rows": {"probe": [n_probe, count]}}
+    runs = [{"name": "stock", "stock": True, "rows": TAIL}, {"name": "default", "rows": TAIL, "params": base(4096)}]
+    runs += [{"name": f"{arm}|{update}", "rows": TAIL, "params": {**base(4096, **kw), "state_update": update}}
+             for arm, kw in arms.items() for update in ("fused", "blocked")]
+    arrays, stats = run_engine(model, maps, runs, session=GPU, tokens=tokens, tmp_path=tmp_path)
+    floor = rel(arrays["stock"], stock_forward(ref, tokens)[0][-TAIL:])
+    ranked = numpy_ranked(ref, tokens, TAIL, mats, n_probe, count)
+    arm = lambda **kw: hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, **kw)[0]  # noqa: E731
+    want = {"ridge": arm(), "rows": arm(exact_rows=exact_rows), "probe_rows": arm(exact_rows=ranked)}
+    for name, expected in want.items():
+        fused, blocked = arrays[f"{name}|fused"], arrays[f"{name}|blocked"]
+        err_f, err_b, moved = rel(fused, expected), rel(blocked, expected), rel(blocked, fused)
+        print(f"{name}: blocked rel {err_b:.2e} against NumPy, row walk {err_f:.2e}, moved {moved:.2e} "
+              f"(stock on CUDA against NumPy: {floor:.2e})")
+        assert stats[f"{name}|blocked"]["n_filled"] > 200
+        assert blocked.tobytes() != fused.tobytes(), name  # the blocked kernel ran
+        assert err_b < max(3 * floor, 1e-4) and moved < max(3 * floor, 1e-4), (name, err_b, moved, floor)
+    assert arrays["default"].tobytes() == arrays["ridge|blocked"].tobytes()

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 15
+API_VERSION = 16
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -115,8 +115,9 @@ class Params(ctypes.Structure):
                 ("recurrent_chunk", ctypes.c_int32), ("state_update", ctypes.c_int)]
 
 
-# enum llama_ridgefill_state_update: a hybrid's carry updates its states in upstream's fused op or its chunked graph
-STATE_UPDATES = {"fused": 0, "chunked": 1}
+# enum llama_ridgefill_state_update: a hybrid's carry updates its states in upstream's fused op, its chunked graph,
+# or the fused op asked for its blocked form (the default; CUDA's kernel, 128-wide heads; elsewhere the fused op)
+STATE_UPDATES = {"fused": 0, "chunked": 1, "blocked": 2}
 
 
 _SIGNATURES["llama_ridgefill_default_params"] = (Params, [])
@@ -204,7 +205,7 @@ def _ctx_key(ctx) -> int:
 def configure(ctx, **kw) -> None:
     """Set prefill parameters on a context with maps attached; a keyword left out (or None) keeps the value it was
     given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers: as named; state_update
-    (fused or chunked: a hybrid's carry, STATE_UPDATES); probe_budget (rows, factor), protected (share),
+    (blocked, fused or chunked: a hybrid's carry, STATE_UPDATES); probe_budget (rows, factor), protected (share),
     rescale (rows, values, keys) and attention (query rows, share[, layers]) set the production parameters; fill,
     exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and blind are
     research controls."""

@@ -5,9 +5,9 @@
 #   bash tools/gpu/build-and-test.sh [--build-only] [pytest args...]
 #
 # One source tree and one build folder serve both builds: the patched tree is built first, its outputs are
-# copied aside, then the patches are reversed and the same folder rebuilt. No patch touches ggml, so the second
-# build recompiles only llama, common and the tools (about 2 minutes instead of a second 6-minute CUDA build);
-# its ggml libraries are the same sources compiled with the same flags.
+# copied aside, then the patches are reversed and the same folder rebuilt. The only ggml source a patch touches is
+# ggml-cuda's gated_delta_net.cu (the blocked state update), so the second build recompiles that file, llama,
+# common and the tools (about 2 minutes instead of a second 6-minute CUDA build).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}

@@ -3,9 +3,10 @@
 # still needs, each under its own time limit so that one that stalls leaves the others their time. Each run's
 # results and server log go to $OUT/bench, packed at the end into one $OUT/hybrid-runs.tar.xz (the device tool
 # brings back at most 8 files).
-#   RUNS="probe128k recurrent32k chunk512 chunk8192 streamed64k fused32k chunked32k upstream32k" [LIMIT_S=240] \
+#   RUNS="probe128k recurrent32k chunk512 chunk8192 streamed64k fused32k chunked32k blocked16k blocked32k blocked64k \
+#         streamed128k upstream32k" [LIMIT_S=240] \
 #       bash tools/gpu/hybrid-runs.sh
-# (fused/chunked: the carry's state update, --ridgefill-state-update; upstream32k needs the upstream build and no
+# (fused/chunked/blocked: the carry's state update, --ridgefill-state-update; upstream32k needs the upstream build and no
 # SERVER_ARGS, which the upstream server would refuse)
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -37,6 +38,10 @@ for r in ${RUNS:-probe128k recurrent32k chunk512}; do
         chunk8192)    run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 8192" ;;
         streamed64k)  run "$r" TOKENS=65536 PLACEMENTS=streamed ;;
         fused32k)     run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update fused" ;;
+        blocked32k)   run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
+        blocked64k)   run "$r" TOKENS=65536 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
+        blocked16k)   run "$r" TOKENS=16384 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
+        streamed128k) run "$r" TOKENS=131072 PLACEMENTS=streamed ;;
         chunked32k)   run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update chunked" ;;
         upstream32k)  run "$r" TOKENS=32768 PLACEMENTS=resident VS_UPSTREAM=1 ;;
         *)            echo "hybrid-runs: unknown run '$r'" >&2 ;;
