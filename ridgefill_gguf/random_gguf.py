@@ -27,8 +27,9 @@ from .gguf_io import GGUFFile, RawField, read_gguf
 from .kquants import quantize_q4_k, quantize_q6_k
 from .paths import vendor_dir
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen35", "qwen3next")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen35", "qwen3next", "gemma3")
 HYBRID_ARCHS = ("qwen35", "qwen3next")  # Gated DeltaNet layers beside gated attention
+QK_NORM_ARCHS = ("qwen3", "gemma3", *HYBRID_ARCHS)
 
 DEFAULT_VOCABS = {
     "llama": "ggml-vocab-llama-bpe.gguf",
@@ -36,6 +37,7 @@ DEFAULT_VOCABS = {
     "qwen3": "ggml-vocab-qwen2.gguf",
     "qwen35": "ggml-vocab-qwen35.gguf",
     "qwen3next": "ggml-vocab-qwen2.gguf",
+    "gemma3": "ggml-vocab-gemma-4.gguf",  # the vendored Gemma tokenizer (262,144 tokens)
 }
 
 DTYPES = {"f32": (QT.F32, gguf.LlamaFileType.ALL_F32),
@@ -76,6 +78,10 @@ class ModelShape:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_ff_shexp: int = 0
+    # gemma3 only: sliding-window layers (window n_swa) with full attention on every swa_pattern-th, their RoPE base
+    n_swa: int = 0
+    swa_pattern: int = 6
+    rope_theta_swa: float = 10000.0
 
     @classmethod
     def from_gguf(cls, model: str | Path | GGUFFile) -> "ModelShape":
@@ -91,6 +97,11 @@ class ModelShape:
                              rope_sections=tuple(int(x) for x in get("rope.dimension_sections", (11, 11, 10, 0))),
                              ssm_d_conv=int(get("ssm.conv_kernel")), ssm_d_state=int(get("ssm.state_size")),
                              ssm_n_group=int(get("ssm.group_count")), ssm_dt_rank=int(get("ssm.time_step_rank")))
+        if arch == "gemma3":
+            pattern = get("attention.sliding_window_pattern", 6)
+            recurrent.update(n_swa=int(get("attention.sliding_window", 0)),
+                             swa_pattern=pattern if isinstance(pattern, int) else 6,
+                             rope_theta_swa=float(get("rope.freq_base_swa", 10000.0)))
         if get("expert_count"):
             recurrent.update(n_expert=int(get("expert_count")), n_expert_used=int(get("expert_used_count")),
                              n_ff_exp=int(get("expert_feed_forward_length")),
@@ -124,6 +135,10 @@ class ModelShape:
     def is_recurrent(self, il: int) -> bool:
         return self.arch in HYBRID_ARCHS and (il + 1) % self.full_attention_interval != 0
 
+    def is_swa(self, il: int) -> bool:
+        """A sliding-window layer (llama_hparams::set_swa_pattern, not dense first)."""
+        return self.n_swa > 0 and (self.swa_pattern == 0 or il % self.swa_pattern < self.swa_pattern - 1)
+
     def validate(self) -> None:
         def need(cond: bool, what: str) -> None:
             if not cond:
@@ -141,6 +156,8 @@ class ModelShape:
         if self.arch == "qwen3next":
             need(0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0 and self.n_ff_shexp > 0,
                  "experts: 0 < n_expert_used <= n_expert, n_ff_exp and n_ff_shexp > 0")
+        if self.arch == "gemma3":
+            need(self.n_swa >= 0 and self.swa_pattern >= 0, "n_swa and swa_pattern must not be negative")
         if self.arch in HYBRID_ARCHS:
             need(self.full_attention_interval > 0, "full_attention_interval must be positive")
             need(len(self.rope_sections) == 4 and any(self.rope_sections)
@@ -164,6 +181,9 @@ def tiny_shape(arch: str) -> ModelShape:
     if arch == "qwen3next":  # the same layers, with a mixture of 4 experts (2 used) and a shared one
         return dataclasses.replace(tiny_shape("qwen35"), arch=arch, n_rot=16, n_expert=4, n_expert_used=2,
                                    n_ff_exp=32, n_ff_shexp=48)
+    if arch == "gemma3":  # two windowed layers then a global one, twice; a window a short prompt outgrows
+        return ModelShape(**{**common, "n_layer": 6, "head_dim": 32}, rope_theta=1000000.0, tie_embeddings=True,
+                          n_swa=32, swa_pattern=3, rope_theta_swa=10000.0)
     raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
 
 
@@ -253,10 +273,15 @@ def tensor_specs(shape: ModelShape, n_vocab: int) -> list[TensorSpec]:
                 t("attn_k.bias", (kv_dim,), "bias")
                 t("attn_v.bias", (kv_dim,), "bias")
             t("attn_output.weight", (q_dim, E), "residual")
-            if s.arch in ("qwen3", *HYBRID_ARCHS):
+            if s.arch in QK_NORM_ARCHS:
                 t("attn_q_norm.weight", (s.head_dim,), "norm")
                 t("attn_k_norm.weight", (s.head_dim,), "norm")
-        t("post_attention_norm.weight" if s.arch in HYBRID_ARCHS else "ffn_norm.weight", (E,), "norm")
+        if s.arch == "gemma3":  # norms after the attention and after the MLP, beside the one before the MLP
+            t("post_attention_norm.weight", (E,), "norm")
+            t("ffn_norm.weight", (E,), "norm")
+            t("post_ffw_norm.weight", (E,), "norm")
+        else:
+            t("post_attention_norm.weight" if s.arch in HYBRID_ARCHS else "ffn_norm.weight", (E,), "norm")
         if s.n_expert:
             t("ffn_gate_inp.weight", (E, s.n_expert), "linear")
             t("ffn_gate_exps.weight", (E, s.n_ff_exp, s.n_expert), "linear")
@@ -406,6 +431,10 @@ def _add_hparams(w: gguf.GGUFWriter, s: ModelShape, n_vocab: int, ftype: gguf.Ll
     w.add_rope_dimension_count(s.rot_dims)
     if s.arch == "qwen35":
         w.add_rope_dimension_sections(list(s.rope_sections))  # required, and exactly 4 long
+    if s.arch == "gemma3" and s.n_swa:
+        w.add_sliding_window(s.n_swa)
+        w.add_sliding_window_pattern(s.swa_pattern)
+        w.add_rope_freq_base_swa(s.rope_theta_swa)
     if s.n_expert:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)

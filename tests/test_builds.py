@@ -61,7 +61,7 @@ def test_each_build_gives_finite_logits_for_a_tiny_model(build, tiny_models, tmp
     assert not np.array_equal(prompt[0], prompt[-1])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen35", "qwen3next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen35", "qwen3next", "gemma3"])
 def test_the_patched_build_gives_logits_byte_identical_to_upstream(arch, tiny_models):
     require_builds()
     report = equivalence.check(tiny_models[arch], decode_steps=3)

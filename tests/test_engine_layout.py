@@ -32,6 +32,6 @@ def test_every_architecture_the_prefill_supports_has_one_adapter():
     text = patched_tree_file("llama-ridgefill-arch.cpp").read_text()
     adapters = re.findall(r"const llama_ridgefill_adapter (\w+)_adapter = \{", text)
     dispatched = re.findall(r"case LLM_ARCH_(\w+): a = &(\w+)_adapter;", text)
-    assert adapters == ["llama", "qwen2", "qwen3", "qwen35", "qwen3next"]
+    assert adapters == ["llama", "qwen2", "qwen3", "qwen35", "qwen3next", "gemma3"]
     assert sorted(a for _, a in dispatched) == sorted(adapters)
     assert all(arch.lower() == a for arch, a in dispatched)

@@ -21,7 +21,7 @@ class Session:
     def __init__(self, model: str | Path, *, n_ctx: int, n_batch: int = 512, n_ubatch: int = 512,
                  flash_attn: bool = False, f32_cache: bool = False, n_threads: int | None = None,
                  n_gpu_layers: int = 0, maps: str | Path | None = None, placement: str = "resident",
-                 n_seq_max: int = 1, kv_unified: bool = False):
+                 n_seq_max: int = 1, kv_unified: bool = False, swa_full: bool | None = None):
         from .. import libs
         from . import bindings
 
@@ -30,7 +30,7 @@ class Session:
         kv = dict(type_k=0, type_v=0) if f32_cache else {}
         self.llm = self.llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                                         flash_attn=flash_attn, n_threads=n_threads, n_threads_batch=n_threads,
-                                        n_gpu_layers=n_gpu_layers, verbose=False, **kv)
+                                        n_gpu_layers=n_gpu_layers, swa_full=swa_full, verbose=False, **kv)
         self.ctx, self.n_batch = self.llm.ctx, n_batch
         self._own_ctx = None
         if n_seq_max > 1:  # the Llama class opens one sequence: a context of several, as llama-server's slots

@@ -1,0 +1,88 @@
+"""Sliding-window models (gemma3) through the engine on the CPU.
+
+A tiny random gemma3 (two windowed layers of window 32, then a global one, twice) at split 2: the late layers 3, 4
+(windowed) and 5 (global), prompts of 230 rows, so that the prefix, the tail (40 rows) and the exact rows all
+reach past the window. llama.cpp keeps the windowed layers' cells in a cache of their own (llama_kv_cache_iswa);
+the late layers read and write the cache their layer is in.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import require_builds
+from ridgefill_gguf.engine import bindings
+from ridgefill_gguf.maps.convert import convert
+from ridgefill_gguf.maps.synthetic import write_float_file
+from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
+from test_engine_prefill import TEXT, kl, run_engine
+
+SPLIT, LATE = 2, [3, 4, 5]
+FULL = {"swa_full": True}  # the windowed layers' cache keeps every row (the library's default, llama-server's --swa-full)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine-windows")
+    shape = tiny_shape("gemma3")
+    assert [shape.is_swa(il) for il in range(shape.n_layer)] == [True, True, False, True, True, False]
+    model = write_random_model(d / "gemma3.gguf", shape, seed=3)
+    src = write_float_file(d / "gemma3.safetensors", SPLIT, LATE, shape.n_embd, dtype="f32", seed=4)
+    return model, convert(src, d / "gemma3.maps.gguf", model=model, outtype="f32").out
+
+
+def test_a_window_cache_that_drops_old_rows_is_refused_by_name_at_attach(gemma3, tmp_path):
+    require_builds("ridgefill")
+    model, maps = gemma3
+    with pytest.raises(AssertionError) as refused:
+        run_engine(model, maps, [{"name": "ridge", "params": {"fill": "ridge"}}], session={"swa_full": False},
+                   tmp_path=tmp_path)
+    assert "sliding-window layers' cache keeps only the last window's rows" in str(refused.value)
+    assert "--swa-full" in str(refused.value)
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_plumb_oracle_and_nothing_filled_reproduce_stock_on_a_sliding_window_model(flash_attn, gemma3, tmp_path):
+    # an exact row of a windowed layer that saw a cell beyond its window, or a global one that missed a cell, moves
+    # these logits (the prompt is seven windows long)
+    require_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "stock", "stock": True},
+            {"name": "plumb", "params": {"fill": "plumb", "tail": 40, "min_prefix": 0}},
+            {"name": "oracle", "params": {"fill": "oracle", "tail": 40, "min_prefix": 0}},
+            {"name": "nothing_filled", "params": {"fill": "ridge", "tail": 100000, "min_prefix": 0}},
+            {"name": "ridge", "params": {"fill": "ridge", "tail": 40, "min_prefix": 0}}]
+    arrays, stats = run_engine(model, maps, runs, session={"flash_attn": flash_attn, **FULL}, tmp_path=tmp_path)
+    stock = arrays["stock"]
+    assert len(arrays["tokens"]) > 7 * 32
+    for name in ("plumb", "oracle", "nothing_filled"):
+        assert stats[name]["applied"] == 1, stats[name]
+        assert arrays[name].argmax() == stock.argmax(), name
+        assert kl(stock, arrays[name]) < 1e-6, (name, kl(stock, arrays[name]))
+    if not flash_attn:  # the same kernels over the same cells
+        assert arrays["plumb"].tobytes() == stock.tobytes()
+    assert stats["oracle"]["n_filled"] == stats["ridge"]["n_filled"] > 150
+    assert kl(stock, arrays["ridge"]) > 1e-6
+
+
+def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_sliding_window_model(gemma3, tmp_path):
+    require_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 40, "chunk": 64, "min_prefix": 0}},
+            {"name": "probe", "params": {"fill": "ridge", "tail": 40, "min_prefix": 0, "probe": [16, 8]}}]
+    resident, _ = run_engine(model, maps, runs, session=FULL, tmp_path=tmp_path)
+    streamed, _ = run_engine(model, maps, runs, session={"placement": "streamed", **FULL}, tmp_path=tmp_path)
+    for name in ("ridge", "probe"):
+        assert resident[name].tobytes() == streamed[name].tobytes(), name
+
+
+def test_the_probe_ranks_rows_by_the_global_layers_and_keeps_them_exact(gemma3, tmp_path):
+    require_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 40, "min_prefix": 0}},
+            {"name": "probe", "params": {"fill": "ridge", "tail": 40, "min_prefix": 0, "probe": [16, 8]}}]
+    arrays, stats = run_engine(model, maps, runs, session=FULL, tmp_path=tmp_path)
+    st = stats["probe"]
+    assert st["applied"] == 1 and st["n_probe"] == 16 and st["n_probe_exact"] == 8
+    assert st["n_filled"] == stats["ridge"]["n_filled"] - 8
+    assert arrays["probe"].tobytes() != arrays["ridge"].tobytes()
