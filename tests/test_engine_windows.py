@@ -86,3 +86,26 @@ def test_the_probe_ranks_rows_by_the_global_layers_and_keeps_them_exact(gemma3, 
     assert st["applied"] == 1 and st["n_probe"] == 16 and st["n_probe_exact"] == 8
     assert st["n_filled"] == stats["ridge"]["n_filled"] - 8
     assert arrays["probe"].tobytes() != arrays["ridge"].tobytes()
+
+
+@pytest.mark.parametrize("params", [{}, {"exact_rows": [40, 41, 120]}, {"probe": [16, 8]}],
+                         ids=["plain", "exact-rows", "probe"])
+def test_a_windowed_layer_skips_the_rows_no_reader_reaches_and_every_logit_stays_the_same(params, gemma3, tmp_path):
+    # the prefill's logits for every tail row and the stock decode step after it, with the fill of windowed layers
+    # skipped where no exact row, tail row or decode step is within the window, against every row filled; a row the
+    # window reaches but the fill skipped changes them
+    require_builds("ridgefill")
+    model, maps = gemma3
+    base = {"fill": "ridge", "tail": 40, "min_prefix": 0, "chunk": 48, **params}
+    runs = [{"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
+    skipped, st = run_engine(model, maps, runs, session=FULL, tmp_path=tmp_path)
+    every, st_every = run_engine(model, maps, runs, session=FULL, tmp_path=tmp_path,
+                                 env={"LLAMA_RIDGEFILL_FULL_WINDOW_FILL": "1"})
+    for name in ("rows", "decode"):
+        assert skipped[name].tobytes() == every[name].tobytes(), name
+    assert st_every["decode"]["n_fill_skipped"] == 0
+    n_filled = st["decode"]["n_filled"]
+    if not params:  # the tail's first row reaches the 31 rows before it; the two windowed late layers skip the rest
+        assert n_filled > 150 and st["decode"]["n_fill_skipped"] == 2 * (n_filled - 31)
+    else:
+        assert 0 < st["decode"]["n_fill_skipped"] < 2 * (n_filled - 31)
