@@ -1,10 +1,12 @@
-"""An independent forward pass in NumPy, from a GGUF's weights, for dense llama/qwen2/qwen3 models.
+"""An independent forward pass in NumPy, from a GGUF's weights, for dense llama/qwen2/qwen3/gemma3 models.
 
 The correctness ladder's rung 4 (DESIGN §4) compares the engine with it. It follows llama.cpp's arithmetic
 where that matters at float32 precision: RMSNorm sums in float64, RoPE angles multiply up in float32 from
 theta_scale = freq_base^(-2/n_rot) (NORM pairs for llama, NEOX pairs for qwen2/qwen3), softmax in float32.
 With F32 weights, an F32 KV cache and flash attention off, logits agree with llama.cpp on the CPU to about
-1e-5 relative.
+1e-5 relative. gemma3 adds its embedding scale, Q/K norms with the query scaled, a RoPE base and a window per
+layer (windowed layers see the n_swa positions up to their own), norms after the attention and after the MLP, and
+GELU as the CPU computes it (through a table over half-precision inputs).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import numpy as np
 from .gguf_io import read_gguf, tensor_f32
 from .random_gguf import ModelShape
 
-NEOX_ARCHS = ("qwen2", "qwen3")
-SUPPORTED = ("llama", "qwen2", "qwen3")
+NEOX_ARCHS = ("qwen2", "qwen3", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 class ReferenceModel:
@@ -40,10 +42,18 @@ class ReferenceModel:
         y = x * (np.float32(1.0) / np.sqrt((mean + self.hp.rms_eps).astype(np.float32)))
         return y if weight is None else y * weight
 
-    def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """x [n, heads, head_dim]; angles built as ggml does: theta = p, then theta *= theta_scale per pair."""
+    def embed(self, tokens) -> np.ndarray:
+        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        if self.hp.arch == "gemma3":
+            x = x * np.float32(np.sqrt(np.float32(self.hp.n_embd)))
+        return x
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, layer: int | None = None) -> np.ndarray:
+        """x [n, heads, head_dim]; angles built as ggml does: theta = p, then theta *= theta_scale per pair. A
+        windowed layer takes its own base."""
         n_rot = self.hp.rot_dims
-        theta_scale = np.float32(self.hp.rope_theta) ** np.float32(-2.0 / n_rot)
+        base = self.hp.rope_theta_swa if layer is not None and self.hp.is_swa(layer) else self.hp.rope_theta
+        theta_scale = np.float32(base) ** np.float32(-2.0 / n_rot)
         theta = np.empty((len(pos), n_rot // 2), np.float32)
         t = pos.astype(np.float32)
         for i in range(n_rot // 2):
@@ -71,7 +81,7 @@ class ReferenceModel:
         v = self.linear(h, p + "attn_v").reshape(len(h), hp.n_head_kv, hp.head_dim)
         if self.w(p + "attn_k_norm.weight") is not None:
             k = self.rms(k, self.w(p + "attn_k_norm.weight"))
-        return self.rope(k, pos), v
+        return self.rope(k, pos, layer), v
 
     def attention(self, layer: int, h: np.ndarray, pos: np.ndarray, queries: np.ndarray | None = None,
                   visible: np.ndarray | None = None, weights: np.ndarray | None = None,
@@ -88,18 +98,22 @@ class ReferenceModel:
         v = self.linear(h, p + "attn_v").reshape(n, hp.n_head_kv, hp.head_dim)
         if self.w(p + "attn_q_norm.weight") is not None:
             q, k = self.rms(q, self.w(p + "attn_q_norm.weight")), self.rms(k, self.w(p + "attn_k_norm.weight"))
-        q, k = self.rope(q, pos[queries]), self.rope(k, pos)
+        q, k = self.rope(q, pos[queries], layer), self.rope(k, pos, layer)
+        scale = np.float32(1.0 / np.sqrt(hp.head_dim))
+        if hp.arch == "gemma3":  # the query is scaled before the attention, which then scales by 1
+            q, scale = q * scale, np.float32(1.0)
         if kv_scale is not None:
             rows, fk, fv = kv_scale
             k[rows] *= fk[None, :, None]
             v[rows] *= fv[None, :, None]
         group = hp.n_head // hp.n_head_kv
         allowed = pos[None, :] <= pos[queries][:, None]
+        if hp.is_swa(layer):  # a windowed layer sees the n_swa positions up to the query's
+            allowed &= pos[queries][:, None] - pos[None, :] < hp.n_swa
         if visible is not None:
             allowed &= visible[None, :] | (np.arange(n)[None, :] == queries[:, None])
         mask = np.where(allowed, np.float32(0), np.float32(-np.inf))
         out = np.empty((len(queries), hp.n_head, hp.head_dim), np.float32)
-        scale = np.float32(1.0 / np.sqrt(hp.head_dim))
         for head in range(hp.n_head):
             kv = head // group
             s = (q[:, head] @ k[:, kv].T) * scale + mask
@@ -110,18 +124,37 @@ class ReferenceModel:
             out[:, head] = prob @ v[:, kv]
         return self.linear(out.reshape(len(queries), -1), p + "attn_output")
 
+    @staticmethod
+    def gelu(x: np.ndarray) -> np.ndarray:
+        """ggml's CPU GELU: the tanh form, looked up for the half-precision input, in half precision."""
+        x16 = x.astype(np.float16).astype(np.float32)
+        g = np.float32(0.5) * x16 * (np.float32(1) + np.tanh(np.float32(0.7978845608028654) * x16 *
+                                                             (np.float32(1) + np.float32(0.044715) * x16 * x16)))
+        g = g.astype(np.float16).astype(np.float32)
+        return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, g)).astype(np.float32)
+
     def ffn(self, layer: int, h: np.ndarray) -> np.ndarray:
         p = f"blk.{layer}."
         gate = self.linear(h, p + "ffn_gate")
-        silu = gate / (np.float32(1.0) + np.exp(-gate))
-        return self.linear(silu * self.linear(h, p + "ffn_up"), p + "ffn_down")
+        act = self.gelu(gate) if self.hp.arch == "gemma3" else gate / (np.float32(1.0) + np.exp(-gate))
+        return self.linear(act * self.linear(h, p + "ffn_up"), p + "ffn_down")
+
+    def post_norm(self, layer: int, y: np.ndarray, which: str) -> np.ndarray:
+        """gemma3's norm on a mixer's or an MLP's output (which: post_attention_norm, post_ffw_norm)."""
+        w = self.w(f"blk.{layer}.{which}.weight")
+        return y if w is None else self.rms(y, w)
+
+    def mlp(self, layer: int, y: np.ndarray) -> np.ndarray:
+        """The residual stream y after the mixer through the MLP and its residual."""
+        h = self.rms(y, self.w(f"blk.{layer}.ffn_norm.weight"))
+        return y + self.post_norm(layer, self.ffn(layer, h), "post_ffw_norm")
 
     # -- whole model ------------------------------------------------------------------------
 
     def layer(self, layer: int, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         p = f"blk.{layer}."
-        x = x + self.attention(layer, self.rms(x, self.w(p + "attn_norm.weight")), pos)
-        return x + self.ffn(layer, self.rms(x, self.w(p + "ffn_norm.weight")))
+        att = self.attention(layer, self.rms(x, self.w(p + "attn_norm.weight")), pos)
+        return self.mlp(layer, x + self.post_norm(layer, att, "post_attention_norm"))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         out = self.w("output.weight")
@@ -133,7 +166,7 @@ class ReferenceModel:
     def _early(self, tokens: list[int], split: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, x_S): every row through the layers below the split."""
         pos = np.arange(len(tokens))
-        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        x = self.embed(tokens)
         for layer in range(split):
             x = self.layer(layer, x, pos)
         return pos, x
@@ -152,9 +185,9 @@ class ReferenceModel:
         """Layer `layer` for `rows` (their stream in x) over every row's K/V from `inp`; the other rows of x stay."""
         p = f"blk.{layer}."
         att = self.attention(layer, self.rms(inp, self.w(p + "attn_norm.weight")), pos, queries=rows, **attention)
-        y = x[rows] + att
+        y = x[rows] + self.post_norm(layer, att, "post_attention_norm")
         x = x.copy()
-        x[rows] = y + self.ffn(layer, self.rms(y, self.w(p + "ffn_norm.weight")))
+        x[rows] = self.mlp(layer, y)
         return x
 
     def ridgefill_forward(self, tokens: list[int], split: int, tail: int, fill: str = "ridge",
@@ -244,7 +277,7 @@ class ReferenceModel:
         pos = np.arange(n)
         end = n if end is None else end
         queries = np.arange(max(end - n_query, 0), end)
-        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        x = self.embed(tokens)
         score = np.zeros(n)
         for layer in range(max(layers) + 1):
             if layer in layers:
@@ -258,7 +291,7 @@ class ReferenceModel:
     def forward(self, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """(logits [n, n_vocab], every layer's input [n, d]) for one sequence from position 0."""
         pos = np.arange(len(tokens))
-        x = self.w("token_embd.weight")[np.asarray(tokens)].astype(np.float32)
+        x = self.embed(tokens)
         inputs = []
         for layer in range(self.hp.n_layer):
             inputs.append(x)

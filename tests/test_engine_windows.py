@@ -109,3 +109,29 @@ def test_a_windowed_layer_skips_the_rows_no_reader_reaches_and_every_logit_stays
         assert n_filled > 150 and st["decode"]["n_fill_skipped"] == 2 * (n_filled - 31)
     else:
         assert 0 < st["decode"]["n_fill_skipped"] < 2 * (n_filled - 31)
+
+
+def test_the_ridge_arm_on_a_sliding_window_model_matches_an_independent_numpy_computation(gemma3, tmp_path):
+    # the reference's windowed layers see the n_swa positions up to their own, from every filled row's prediction
+    require_builds("ridgefill")
+    from test_engine_prefill import TIGHT, reference_and_maps
+    model, maps = gemma3
+    tail, exact_rows = 40, [10, 57, 130]
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
+                                         "exact_rows": []}},
+            {"name": "identity", "params": {"fill": "identity", "tail": tail, "min_prefix": 0}},
+            {"name": "ridge_rows", "params": {"fill": "ridge", "tail": tail, "min_prefix": 0,
+                                              "exact_rows": exact_rows}}]
+    arrays, stats = run_engine(model, maps, runs, session={**TIGHT, **FULL}, tmp_path=tmp_path)
+    tokens = arrays["tokens"].tolist()
+    ref, mats = reference_and_maps(model, maps)
+    want = {"ridge": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats)[-1],
+            "identity": ref.ridgefill_forward(tokens, SPLIT, tail, "identity")[-1],
+            "ridge_rows": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(exact_rows))[-1]}
+    for name, expected in want.items():
+        rel = np.abs(arrays[name] - expected).max() / np.abs(expected).max()
+        print(f"gemma3 {name}: rel {rel:.2e}, {stats[name]['n_fill_skipped']} fills skipped")
+        assert stats[name]["applied"] == 1 and stats[name]["n_fill_skipped"] > 0, stats[name]
+        assert rel < 5e-4, (name, rel)  # the GELU table's steps, as in tests/test_reference.py
+    assert stats["ridge_rows"]["n_exact"] == stats["ridge"]["n_exact"] + 3
+    assert np.abs(arrays["ridge"] - arrays["identity"]).max() > 1e-2

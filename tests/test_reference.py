@@ -23,7 +23,12 @@ print(json.dumps(tokens))
 """
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# gemma3's GELU is looked up for the half-precision gate: a gate within rounding of a half-precision step lands on
+# the neighbouring entry in one computation or the other, so a few rows move by up to about 2e-4 of the largest value
+TOLERANCE = {"gemma3": 5e-4}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_the_reference_forward_pass_matches_llama_cpp_logits(arch, tiny_models, tmp_path):
     require_builds("upstream")
     out = tmp_path / "logits.npy"
@@ -33,11 +38,11 @@ def test_the_reference_forward_pass_matches_llama_cpp_logits(arch, tiny_models, 
     theirs = np.load(out)
     rel = np.abs(ours - theirs).max() / np.abs(theirs).max()
     print(f"{arch}: max |diff| / max |logit| = {rel:.2e}")
-    assert rel < 1e-5, rel
+    assert rel < TOLERANCE.get(arch, 1e-5), rel
     assert (ours.argmax(1) == theirs.argmax(1)).all()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_captured_layer_inputs_match_the_reference_forward_pass_at_every_layer(arch, tiny_models, tmp_path):
     require_builds("ridgefill")
     out = tmp_path / "inputs.npz"
@@ -57,10 +62,10 @@ print(json.dumps(tokens))
     with np.load(out) as captured:
         for layer, ref in enumerate(inputs):
             got = captured[str(layer)]
-            assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5, layer
+            assert np.abs(got - ref).max() / np.abs(ref).max() < TOLERANCE.get(arch, 1e-5), layer
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_the_reference_ridgefill_arm_reduces_to_the_exact_model_where_it_must(arch, tiny_models):
     ref = ReferenceModel(tiny_models[arch])
     tokens = list(range(100, 160))
