@@ -75,6 +75,14 @@ def reference_and_maps(model, maps):
                                    for l in layers}
 
 
+def reference_arms(model, maps, tokens, split, tail, exact_rows) -> dict[str, np.ndarray]:
+    """The NumPy reference's last logits for the runs ridge, identity and ridge_rows (ridge with exact_rows)."""
+    ref, mats = reference_and_maps(model, maps)
+    return {"ridge": ref.ridgefill_forward(tokens, split, tail, "ridge", mats)[-1],
+            "identity": ref.ridgefill_forward(tokens, split, tail, "identity")[-1],
+            "ridge_rows": ref.ridgefill_forward(tokens, split, tail, "ridge", mats, set(exact_rows))[-1]}
+
+
 def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
     lp = p_logits - np.logaddexp.reduce(p_logits.astype(np.float64))
     lq = q_logits - np.logaddexp.reduce(q_logits.astype(np.float64))
@@ -114,11 +122,7 @@ def test_the_ridge_arm_matches_an_independent_numpy_computation(arch, deep_tiny,
             {"name": "identity", "params": {"fill": "identity"}},
             {"name": "ridge_rows", "params": {"fill": "ridge", "exact_rows": exact_rows}}]
     arrays, stats = run_engine(model, maps, runs, session=TIGHT, tmp_path=tmp_path)
-    tokens = arrays["tokens"].tolist()
-    ref, mats = reference_and_maps(model, maps)
-    want = {"ridge": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats)[-1],
-            "identity": ref.ridgefill_forward(tokens, SPLIT, tail, "identity")[-1],
-            "ridge_rows": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(exact_rows))[-1]}
+    want = reference_arms(model, maps, arrays["tokens"].tolist(), SPLIT, tail, exact_rows)
     for name, expected in want.items():
         got = arrays[name]
         rel = np.abs(got - expected).max() / np.abs(expected).max()

@@ -114,7 +114,7 @@ def test_a_windowed_layer_skips_the_rows_no_reader_reaches_and_every_logit_stays
 def test_the_ridge_arm_on_a_sliding_window_model_matches_an_independent_numpy_computation(gemma3, tmp_path):
     # the reference's windowed layers see the n_swa positions up to their own, from every filled row's prediction
     require_builds("ridgefill")
-    from test_engine_prefill import TIGHT, reference_and_maps
+    from test_engine_prefill import TIGHT, reference_arms
     model, maps = gemma3
     tail, exact_rows = 40, [10, 57, 130]
     runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
@@ -123,11 +123,7 @@ def test_the_ridge_arm_on_a_sliding_window_model_matches_an_independent_numpy_co
             {"name": "ridge_rows", "params": {"fill": "ridge", "tail": tail, "min_prefix": 0,
                                               "exact_rows": exact_rows}}]
     arrays, stats = run_engine(model, maps, runs, session={**TIGHT, **FULL}, tmp_path=tmp_path)
-    tokens = arrays["tokens"].tolist()
-    ref, mats = reference_and_maps(model, maps)
-    want = {"ridge": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats)[-1],
-            "identity": ref.ridgefill_forward(tokens, SPLIT, tail, "identity")[-1],
-            "ridge_rows": ref.ridgefill_forward(tokens, SPLIT, tail, "ridge", mats, set(exact_rows))[-1]}
+    want = reference_arms(model, maps, arrays["tokens"].tolist(), SPLIT, tail, exact_rows)
     for name, expected in want.items():
         rel = np.abs(arrays[name] - expected).max() / np.abs(expected).max()
         print(f"gemma3 {name}: rel {rel:.2e}, {stats[name]['n_fill_skipped']} fills skipped")
