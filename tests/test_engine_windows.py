@@ -154,3 +154,56 @@ def test_llama_server_serves_a_sliding_window_model_with_swa_full_and_refuses_th
     log = (tmp_path / "window.log").read_text()
     assert "RidgeFill off: the sliding-window layers' cache keeps only the last window's rows" in log
     assert "(--swa-full)" in log
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m(tmp_path_factory):
+    """Gemma-3-270M (18 layers, window 512, a global layer every sixth) and synthetic F32 maps at split 9: plumb,
+    the oracle and the comparisons below do not depend on the maps' values."""
+    from ridgefill_gguf import models
+    from ridgefill_gguf.random_gguf import ModelShape
+
+    path = models.model_path("gemma3-270m")
+    if not path.exists():
+        pytest.skip(f"{path.name} not fetched: `make models` (`make test` fetches it)")
+    shape = ModelShape.from_gguf(path)
+    d = tmp_path_factory.mktemp("gemma3-270m")
+    src = write_float_file(d / "maps.safetensors", 9, list(range(10, shape.n_layer)), shape.n_embd, dtype="f32",
+                           seed=4)
+    return path, convert(src, d / "maps.gguf", model=path, outtype="f32").out
+
+
+# a document of about 1,300 Gemma tokens: more than two windows of 512
+LONG = ("The river rose through the night, and by morning the lower fields of the valley were under water. "
+        "Farmers moved their animals to the ridge, counted what was left, and waited for the rain to stop. ") * 34
+
+
+def test_ridgefill_off_with_maps_attached_is_byte_identical_to_upstream_on_gemma_3_270m(gemma3_270m):
+    from ridgefill_gguf import equivalence as eq
+
+    require_builds()
+    model, maps = gemma3_270m
+    report = eq.check(model, [LONG, "short prompt"], n_ctx=2048, decode_steps=3, maps=maps,
+                      cases=[eq.Case(512, 512, False), eq.Case(256, 64, True)])
+    bad = [r["key"] for r in report["arrays"] if not r["identical"]]
+    assert report["n_logits"] > 100_000 and not bad, f"arrays differ: {bad}"
+
+
+def test_plumb_and_the_oracle_reproduce_stock_and_streamed_maps_the_resident_bytes_on_gemma_3_270m(
+        gemma3_270m, tmp_path):
+    require_builds("ridgefill")
+    model, maps = gemma3_270m
+    base = {"tail": 256, "min_prefix": 0}
+    runs = [{"name": "stock", "stock": True},
+            {"name": "plumb", "params": {"fill": "plumb", **base}},
+            {"name": "oracle", "params": {"fill": "oracle", **base}},
+            {"name": "ridge", "params": {"fill": "ridge", **base}}]
+    arrays, stats = run_engine(model, maps, runs, prompt=LONG, n_ctx=2048, session=FULL, tmp_path=tmp_path)
+    assert len(arrays["tokens"]) > 2 * 512 + 256
+    for name in ("plumb", "oracle"):
+        assert stats[name]["applied"] == 1 and arrays[name].argmax() == arrays["stock"].argmax(), name
+        assert kl(arrays["stock"], arrays[name]) < 1e-6, (name, kl(arrays["stock"], arrays[name]))
+    assert stats["ridge"]["n_fill_skipped"] > 0 and kl(arrays["stock"], arrays["ridge"]) > 1e-6
+    streamed, _ = run_engine(model, maps, runs[-1:], prompt=LONG, n_ctx=2048,
+                             session={"placement": "streamed", **FULL}, tmp_path=tmp_path)
+    assert streamed["ridge"].tobytes() == arrays["ridge"].tobytes()
