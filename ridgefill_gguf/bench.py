@@ -29,7 +29,7 @@ from .util import hardware, save_figure, write_atomic
 
 # what the ceilings read of a model's shape, recorded with the results
 SHAPE_FIELDS = ("arch", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "full_attention_interval",
-                "ssm_d_conv", "ssm_d_state", "ssm_n_group", "ssm_dt_rank")
+                "ssm_d_conv", "ssm_d_state", "ssm_n_group", "ssm_dt_rank", "n_swa", "swa_pattern")
 
 
 # where the maps live; "resident:identity" and "resident:none" time the fill without its map and without any
@@ -74,8 +74,17 @@ def layer_macs(s: ModelShape) -> dict[str, float]:
             "deltanet_state": state, "cell": 2 * s.n_head * s.head_dim}
 
 
+def row_cells(p0: int, p1: int, window: int = 0) -> float:
+    """Cells the rows at positions [p0, p1) attend to, causally: p + 1 each, at most `window` (0: no window)."""
+    def upto(p: int) -> float:  # rows [0, p)
+        if not window or p <= window:
+            return p * (p + 1) / 2
+        return window * (window + 1) / 2 + (p - window) * window
+    return upto(p1) - upto(p0)
+
+
 def mac_counts(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
-               fill: str = "ridge", n_probe: int = 0) -> dict[str, float]:
+               fill: str = "ridge", n_probe: int = 0, n_fill_skipped: int = 0) -> dict[str, float]:
     """Multiply-accumulates of exact prefill ("stock") and of RidgeFill's phases ("early", "fill", "exact",
     "probe").
 
@@ -84,31 +93,44 @@ def mac_counts(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_row
     and state update; `fill` identity: no map; none: neither); exact rows (special, chosen, tail) pay the whole
     layer. Causal attention: a row at position p reads p + 1 cells. The last `tail` exact rows are the prompt's
     last rows, so they read nearly the whole context; the other exact rows are counted at the average length.
-    The probe's n_probe rows run every late layer over the whole cache once more."""
+    The probe's n_probe rows run every late layer over the whole cache once more. A sliding-window layer's row
+    attends to at most its window, and n_fill_skipped (row, layer) fills of the windowed late layers, which no
+    reader reaches, cost nothing."""
     m = layer_macs(shape)
     recurrent = [shape.is_recurrent(il) for il in range(shape.n_layer)]
-    causal_cells = n * (n + 1) / 2                                             # every row of the prompt
+    windows = [shape.n_swa if shape.is_swa(il) else 0 for il in range(shape.n_layer)]
     t = min(tail, n_exact_rows, n)
-    exact_row_cells = (t * n - t * (t - 1) / 2) + (n_exact_rows - t) * (n + 1) / 2
 
-    def layers(il0: int, il1: int, rows: float, cells: float) -> float:
-        return sum(rows * m["deltanet"] if recurrent[il] else rows * m["attention"] + m["cell"] * cells
+    def every_row(w: int) -> float:
+        return row_cells(0, n, w)
+
+    def exact_rows(w: int) -> float:  # the tail at the prompt's end, the other exact rows at the average length
+        return row_cells(n - t, n, w) + (n_exact_rows - t) * row_cells(0, n, w) / n
+
+    def layers(il0: int, il1: int, rows: float, cells: Callable[[int], float]) -> float:
+        return sum(rows * m["deltanet"] if recurrent[il] else rows * m["attention"] + m["cell"] * cells(windows[il])
                    for il in range(il0, il1))
 
-    late = range(split, shape.n_layer)
-    maps = (len(late) - 1) * shape.n_embd * shape.n_embd if fill == "ridge" else 0
-    writes = sum(m["deltanet_fill"] if recurrent[il] else m["attention_fill"] for il in late) if fill != "none" else 0
-    return {"stock": layers(0, shape.n_layer, n, causal_cells),
-            "early": layers(0, split, n, causal_cells),
-            "fill": n_filled * (maps + writes),
-            "exact": layers(split, shape.n_layer, n_exact_rows, exact_row_cells),
-            "probe": layers(split, shape.n_layer, n_probe, n_probe * n)}
+    late = list(range(split, shape.n_layer))
+    windowed = [il for il in late if windows[il]]
+    skipped = n_fill_skipped / len(windowed) if windowed else 0.0  # per windowed late layer
+
+    def fill_row(il: int) -> float:  # a filled row's map (after the split) and what the layer writes for it
+        map_macs = shape.n_embd * shape.n_embd if fill == "ridge" and il > split else 0
+        write = (m["deltanet_fill"] if recurrent[il] else m["attention_fill"]) if fill != "none" else 0
+        return map_macs + write
+
+    return {"stock": layers(0, shape.n_layer, n, every_row),
+            "early": layers(0, split, n, every_row),
+            "fill": sum((n_filled - (skipped if windows[il] else 0)) * fill_row(il) for il in late),
+            "exact": layers(split, shape.n_layer, n_exact_rows, exact_rows),
+            "probe": layers(split, shape.n_layer, n_probe, lambda w: n_probe * (min(n, w) if w else n))}
 
 
 def mac_ceiling(shape: ModelShape, n: int, split: int, n_filled: int, n_exact_rows: int, tail: int = 0,
-                fill: str = "ridge", n_probe: int = 0) -> float:
+                fill: str = "ridge", n_probe: int = 0, n_fill_skipped: int = 0) -> float:
     """Exact prefill's multiply-accumulates over RidgeFill's (mac_counts)."""
-    c = mac_counts(shape, n, split, n_filled, n_exact_rows, tail, fill, n_probe)
+    c = mac_counts(shape, n, split, n_filled, n_exact_rows, tail, fill, n_probe, n_fill_skipped)
     return c["stock"] / (c["early"] + c["fill"] + c["exact"] + c["probe"])
 
 
@@ -322,13 +344,14 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                     speedup = statistics.median(exact_ms) / statistics.median(rf_ms)
                     c_layer = layer_ceiling(n, split, st["tail"], shape.n_layer)
                     c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
-                                        fill=fill)
+                                        fill=fill, n_fill_skipped=st.get("fill_skipped", 0))
                     rows.append({"placement": placement, "tokens": n, "exact_ms": exact_ms, "ridgefill_ms": rf_ms,
                                  "median_exact_ms": statistics.median(exact_ms),
                                  "median_ridgefill_ms": statistics.median(rf_ms), "speedup": speedup,
                                  "ceiling_layers": c_layer, "ceiling_macs": c_mac,
                                  "share_of_ceiling": speedup / c_mac,
-                                 "rows": {k: st[k] for k in ("filled", "exact", "special", "tail")},
+                                 "rows": {k: st.get(k, 0) for k in ("filled", "exact", "special", "tail",
+                                                                     "fill_skipped")},
                                  "phases_ms": med,
                                  # MiB in use on the GPU: RidgeFill's buffers stay allocated once made, so the
                                  # exact arm's peak includes them; stock_before_ridgefill does not
@@ -394,7 +417,8 @@ def refresh_ceilings(r: dict) -> dict:
     for x in r["rows"]:
         rows = x["rows"]
         x["ceiling_macs"] = mac_ceiling(shape, x["tokens"], r["split"], rows["filled"], rows["exact"] + rows["tail"],
-                                        tail=rows["tail"], fill=split_placement(x["placement"])[1])
+                                        tail=rows["tail"], fill=split_placement(x["placement"])[1],
+                                        n_fill_skipped=rows.get("fill_skipped", 0))
         x["share_of_ceiling"] = x["speedup"] / x["ceiling_macs"]
     r["ridgefill_vs_upstream"] = against_upstream(r["rows"], r.get("off_vs_upstream") or [])
     return r
@@ -433,7 +457,7 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
     st, med = stats[-1], statistics.median(ms)
     log(f"bench: {placement} {n} tokens, {selector}: {med:.0f} ms, {st['selected']} rows selected")
     c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
-                        n_probe=st.get("probe_rows", 0))
+                        n_probe=st.get("probe_rows", 0), n_fill_skipped=st.get("fill_skipped", 0))
     return {"placement": placement, "tokens": n, "selector": selector, "ms": ms, "median_ms": med,
             "speedup_vs_exact": base["median_exact_ms"] / med, "vs_plain": base["median_ridgefill_ms"] / med,
             "ceiling_macs": c_mac, "share_of_ceiling": base["median_exact_ms"] / med / c_mac,

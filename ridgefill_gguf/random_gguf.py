@@ -210,6 +210,14 @@ REAL_SHAPES = {
                                     full_attention_interval=4, ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16,
                                     ssm_dt_rank=32, n_expert=64, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
                                     n_vocab=151936),
+    # Gemma-3-12B's layers (48, d 3840, 16 query and 8 KV heads of 256, a 15,360-wide GELU MLP, five windowed layers
+    # of 1,024 to each global one, local RoPE base 1e4, global 1e6, tied embeddings) and Gemma-3-270M's
+    "gemma3-12b": ModelShape("gemma3", n_layer=48, n_embd=3840, n_ff=15360, n_head=16, n_head_kv=8, head_dim=256,
+                             n_ctx_train=131072, rope_theta=1000000.0, rms_eps=1e-6, n_vocab=262208,
+                             tie_embeddings=True, n_swa=1024, swa_pattern=6, rope_theta_swa=10000.0),
+    "gemma3-270m": ModelShape("gemma3", n_layer=18, n_embd=640, n_ff=2048, n_head=4, n_head_kv=1, head_dim=256,
+                              n_ctx_train=32768, rope_theta=1000000.0, rms_eps=1e-6, tie_embeddings=True, n_swa=512,
+                              swa_pattern=6, rope_theta_swa=10000.0),
 }
 
 

@@ -52,6 +52,35 @@ def test_the_mac_ceiling_counts_each_exact_rows_attention_at_its_own_position():
     assert got < mac_ceiling(shape, n, split, len(filled), len(chosen) + tail)
 
 
+def test_the_mac_ceiling_of_a_sliding_window_model_counts_each_window_and_the_fills_no_reader_reaches():
+    # row by row again: in a windowed layer a row at position p reads min(p + 1, W) cells, and a windowed late
+    # layer writes only the filled rows within the window before the tail (plain ridge: no chosen rows)
+    shape = ModelShape("gemma3", 6, 64, 192, 4, 2, 16, n_swa=32, swa_pattern=3)
+    n, split, tail, w = 300, 2, 40, 32
+    q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    per_row = shape.n_embd * (q + 2 * kv) + q * shape.n_embd + 3 * shape.n_embd * shape.n_ff
+    windowed = [shape.is_swa(il) for il in range(shape.n_layer)]
+    assert windowed == [True, True, False, True, True, False]
+    cost = lambda il, p: per_row + 2 * q * (min(p + 1, w) if windowed[il] else p + 1)
+    exact = sum(cost(il, p) for il in range(shape.n_layer) for p in range(n))
+    filled = list(range(1, n - tail))  # row 0 runs exactly
+    reached = [p for p in filled if p > n - tail - w]
+    # row 0, a chosen exact row, is counted at the average length: the stats give no positions
+    average = lambda il: sum(min(p + 1, w) if windowed[il] else p + 1 for p in range(n)) / n
+    rf = sum(cost(il, p) for il in range(split) for p in range(n))
+    for il in range(split, shape.n_layer):
+        rows = reached if windowed[il] else filled
+        rf += len(rows) * ((shape.n_embd ** 2 if il > split else 0) + shape.n_embd * 2 * kv)
+        rf += sum(cost(il, p) for p in range(n - tail, n)) + per_row + 2 * q * average(il)
+    skipped = 2 * (len(filled) - len(reached))
+    got = mac_ceiling(shape, n, split, len(filled), 1 + tail, tail=tail, n_fill_skipped=skipped)
+    assert got == pytest.approx(exact / rf, rel=1e-12)
+    # the windows make the stock prefill cheaper, the skipped fills RidgeFill's
+    dense = ModelShape("gemma3", 6, 64, 192, 4, 2, 16)
+    assert mac_ceiling(shape, n, split, len(filled), 1 + tail, tail=tail) < got
+    assert got != mac_ceiling(dense, n, split, len(filled), 1 + tail, tail=tail)
+
+
 def test_the_fill_variants_drop_the_maps_and_then_the_kv_projections_from_the_count():
     shape = ModelShape("qwen3", 36, 4096, 12288, 32, 8, 128)
     ridge, identity, none = (mac_ceiling(shape, 32768, 13, 28671, 4097, tail=4096, fill=f)
