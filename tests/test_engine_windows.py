@@ -207,3 +207,22 @@ def test_plumb_and_the_oracle_reproduce_stock_and_streamed_maps_the_resident_byt
     streamed, _ = run_engine(model, maps, runs[-1:], prompt=LONG, n_ctx=2048,
                              session={"placement": "streamed", **FULL}, tmp_path=tmp_path)
     assert streamed["ridge"].tobytes() == arrays["ridge"].tobytes()
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_masks_made_in_the_graphs_with_the_window_give_the_bytes_of_llama_cpps_host_made_masks(flash_attn, gemma3,
+                                                                                              tmp_path):
+    # the exact rows' masks of a windowed layer: a cell the window has left is masked as llama.cpp masks it
+    require_builds("ridgefill")
+    model, maps = gemma3
+    arms = (("ridge", {}), ("rows", {"exact_rows": [40, 41, 120]}), ("probe", {"probe": [16, 8]}))
+    runs = [{"name": name, "params": {"fill": "ridge", "tail": 40, "chunk": 48, "min_prefix": 0, **extra}}
+            for name, extra in arms]
+    session = {"flash_attn": flash_attn, "n_ubatch": 16, **FULL}
+    device, st = run_engine(model, maps, runs, session=session, tmp_path=tmp_path)
+    host, st_host = run_engine(model, maps, runs, session=session, tmp_path=tmp_path,
+                               env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
+    for name, _ in arms:
+        assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
+        assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
+        assert device[name].tobytes() == host[name].tobytes(), name
