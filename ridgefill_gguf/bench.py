@@ -23,7 +23,7 @@ from typing import Callable
 
 from .gguf_io import read_gguf
 from .random_gguf import HYBRID_ARCHS, ModelShape
-from .serve import Server
+from .serve import Server, model_window
 from .util import hardware, save_figure, write_atomic
 
 
@@ -276,7 +276,10 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hw = hardware()
-    common = dict(n_ctx=n_max + 64, threads=threads, n_gpu_layers=n_gpu_layers, extra=extra)
+    # a windowed model's RidgeFill server keeps every row of its windowed cache (--swa-full): upstream's too, so that
+    # both prefill over the same cache
+    common = dict(n_ctx=n_max + 64, threads=threads, n_gpu_layers=n_gpu_layers, extra=extra,
+                  swa_full=model_window(model) > 0 or None)
 
     def save(partial: bool) -> dict:
         """Written after every length, so a run cut short keeps what it measured."""

@@ -29,6 +29,12 @@ def model_context(model: str | Path) -> int:
     return int(g.get(f"{arch}.context_length") or DEFAULT_MAX_CTX)
 
 
+def model_window(model: str | Path) -> int:
+    """The model's sliding window (0: none)."""
+    g = read_gguf(model, skip_arrays=("tokenizer.",))
+    return int(g.get(f"{g.get('general.architecture')}.attention.sliding_window") or 0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +45,10 @@ def server_args(model: str | Path, maps: str | Path | None = None, *, tail: int 
                 placement: str = "resident", fill: str = "ridge", min_prefix: int | None = None,
                 select: str | None = None, exact_share: float | None = None, budget: float | None = None,
                 n_ctx: int | None = None, host: str = "127.0.0.1", port: int = 8080, threads: int | None = None,
-                n_gpu_layers: int | None = None, slots: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
+                n_gpu_layers: int | None = None, slots: int = 1, extra: tuple[str, ...] = (),
+                swa_full: bool | None = None) -> list[str]:
+    """swa_full: the windowed layers' cache keeps every row (--swa-full); by default where maps are given and the
+    model has sliding windows, since RidgeFill needs it there."""
     n_ctx = n_ctx or min(model_context(model), DEFAULT_MAX_CTX)
     # one slot by default, which gets the whole context
     args = ["-m", str(model), "-c", str(n_ctx), "-np", str(slots), "--host", host, "--port", str(port)]
@@ -55,6 +64,10 @@ def server_args(model: str | Path, maps: str | Path | None = None, *, tail: int 
             args += ["--ridgefill-exact-share", str(exact_share)]
         if budget is not None:
             args += ["--ridgefill-budget", str(budget)]
+    if swa_full is None:
+        swa_full = bool(maps) and model_window(model) > 0
+    if swa_full and "--swa-full" not in extra:
+        args += ["--swa-full"]
     if threads:
         args += ["-t", str(threads)]
     if n_gpu_layers is not None:

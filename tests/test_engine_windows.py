@@ -135,20 +135,22 @@ def test_the_ridge_arm_on_a_sliding_window_model_matches_an_independent_numpy_co
 
 def test_llama_server_serves_a_sliding_window_model_with_swa_full_and_refuses_the_maps_by_name_without_it(
         gemma3, tmp_path):
+    # ridgefill_gguf's Server (serve, bench, the demo) adds --swa-full where maps meet a windowed model
     from ridgefill_gguf.serve import Server
     from test_server import PROMPT
 
     require_builds("ridgefill")
     model, maps = gemma3
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("--swa-full",),
-                log_path=tmp_path / "full.log") as srv:
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=tmp_path / "full.log") as srv:
         on = srv.complete(PROMPT, n_predict=3)
         off = srv.complete(PROMPT, n_predict=3, ridgefill=False)
     rf = on["timings"]["ridgefill"]
     assert rf["split"] == SPLIT and rf["filled"] > 200 and rf["fill_skipped"] > 0
     assert "ridgefill" not in off["timings"] and off["tokens_predicted"] == 3
+    assert "--swa-full" in srv.command  # ridgefill_gguf's servers ask for it where maps meet windows
     # llama-server keeps one window of the windowed layers' cache unless told otherwise
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=tmp_path / "window.log") as srv:
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, swa_full=False,
+                log_path=tmp_path / "window.log") as srv:
         stock = srv.complete(PROMPT, n_predict=3)
     assert "ridgefill" not in stock["timings"] and stock["tokens_predicted"] == 3
     log = (tmp_path / "window.log").read_text()

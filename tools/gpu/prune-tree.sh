@@ -14,7 +14,7 @@ keep_backends='ggml-cpu|ggml-cuda'
     --exclude='tests/*' --exclude='tools/ui/src/*' --exclude='tools/ui/tests/*'
 # models/: only the vocab files the random test models use
 find "$out.tmp/models" -type f ! \( -name 'ggml-vocab-llama-bpe.gguf' -o -name 'ggml-vocab-qwen2.gguf' \
-     -o -name 'ggml-vocab-qwen35.gguf' \) -delete
+     -o -name 'ggml-vocab-qwen35.gguf' -o -name 'ggml-vocab-gemma-4.gguf' \) -delete
 for d in "$out.tmp"/ggml/src/ggml-*/; do
     name=$(basename "$d"); [[ "$name" =~ ^($keep_backends)$ ]] || rm -rf "$d"
 done
