@@ -21,6 +21,7 @@ help:
 	@echo "make check-patches   check that every patch applies onto upstream (touches nothing)"
 	@echo "make build           build/upstream (pristine) and build/ridgefill (patched); CUDA if present"
 	@echo "make models          fetch the offline test models into models/"
+	@echo "make test-models     fetch the models the tests run on beyond the default one (Gemma-3-270M)"
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
