@@ -216,8 +216,8 @@ REAL_SHAPES = {
                              n_ctx_train=131072, rope_theta=1000000.0, rms_eps=1e-6, n_vocab=262208,
                              tie_embeddings=True, n_swa=1024, swa_pattern=6, rope_theta_swa=10000.0),
     "gemma3-270m": ModelShape("gemma3", n_layer=18, n_embd=640, n_ff=2048, n_head=4, n_head_kv=1, head_dim=256,
-                              n_ctx_train=32768, rope_theta=1000000.0, rms_eps=1e-6, tie_embeddings=True, n_swa=512,
-                              swa_pattern=6, rope_theta_swa=10000.0),
+                              n_ctx_train=32768, rope_theta=1000000.0, rms_eps=1e-6, n_vocab=262144,
+                              tie_embeddings=True, n_swa=512, swa_pattern=6, rope_theta_swa=10000.0),
 }
 
 

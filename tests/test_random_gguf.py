@@ -220,8 +220,10 @@ def test_real_model_presets_have_the_published_parameter_counts():
     from ridgefill_gguf.random_gguf import REAL_SHAPES, tensor_specs
 
     # the 27B hybrid: the 27B of its name (its vocabulary padded to 248,320 rows as the preset records);
-    # Qwen3-Next with all 512 of its experts: the 79.67 B llama.cpp prints for the real model
-    published = {"qwen3-8b": 8.19e9, "llama-3.1-8b": 8.03e9, "qwen35-27b": 27e9, "qwen3next-80b-e64": 79.67e9}
+    # Qwen3-Next with all 512 of its experts: the 79.67 B llama.cpp prints for the real model; Gemma-3-12B's text
+    # model (11.77 B, the 12.2 B of its name less the vision tower) and Gemma-3-270M's 268 M
+    published = {"qwen3-8b": 8.19e9, "llama-3.1-8b": 8.03e9, "qwen35-27b": 27e9, "qwen3next-80b-e64": 79.67e9,
+                 "gemma3-12b": 11.77e9, "gemma3-270m": 268e6}
     for key, shape in REAL_SHAPES.items():
         shape.validate()
         if key == "qwen3next-80b-e64":
