@@ -18,7 +18,7 @@ GPU_CASES = [Case(512, 512, True), Case(512, 512, False), Case(512, 128, True), 
 LONG_PROMPT = "In the beginning the Universe was created. This has made a lot of people very angry. " * 40
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen35", "qwen3next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen35", "qwen3next", "gemma3"])
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
 def test_cuda_builds_give_byte_identical_logits_with_all_layers_on_the_gpu(arch, dtype, tmp_path):
     require_cuda_builds()
@@ -30,7 +30,7 @@ def test_cuda_builds_give_byte_identical_logits_with_all_layers_on_the_gpu(arch,
     assert report["n_logits"] > 0 and not bad, f"{arch}/{dtype}: arrays differ: {bad}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen35", "qwen3next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen35", "qwen3next", "gemma3"])
 def test_cuda_builds_stay_byte_identical_with_maps_attached_and_ridgefill_off(arch, tmp_path):
     require_cuda_builds()
     shape = dataclasses.replace(tiny_shape(arch), n_layer=4)

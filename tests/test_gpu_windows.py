@@ -1,0 +1,97 @@
+"""On CUDA, every layer on the GPU, the tiny random gemma3 of tests/test_engine_windows.py (windows of 32 rows, split
+2, late layers 3 and 4 windowed and 5 global): resident and streamed maps give the same bytes; plumb, the oracle and a
+prefill with nothing filled reproduce stock within the exact-vs-exact noise floor; the window-aware fill gives the
+bytes of the full fill; the masks made in the graphs with the window give the bytes of llama.cpp's host-made ones;
+the ridge arm stays near NumPy's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import require_cuda_builds
+from test_engine_prefill import kl, reference_and_maps, run_engine
+from test_engine_windows import FULL, SPLIT, gemma3  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.gpu
+
+GPU = {"n_gpu_layers": -1, "flash_attn": True, "n_batch": 64, "n_ubatch": 32, **FULL}
+BASE = {"fill": "ridge", "tail": 40, "chunk": 48, "min_prefix": 0}
+
+
+def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_sliding_window_model_on_cuda(gemma3, tmp_path):
+    require_cuda_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "ridge", "params": BASE}, {"name": "probe", "params": {**BASE, "probe": [16, 8]}}]
+    out = {p: run_engine(model, maps, runs, session={**GPU, "placement": p}, tmp_path=tmp_path)[0]
+           for p in ("resident", "streamed")}
+    for run in runs:
+        assert out["resident"][run["name"]].tobytes() == out["streamed"][run["name"]].tobytes(), run["name"]
+
+
+def test_plumb_oracle_and_nothing_filled_on_a_sliding_window_model_stay_within_the_noise_floor_on_cuda(gemma3,
+                                                                                                       tmp_path):
+    require_cuda_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": {**BASE, "fill": "plumb"}},
+            {"name": "oracle", "params": {**BASE, "fill": "oracle"}},
+            {"name": "nothing_filled", "params": {**BASE, "tail": 100000}}]
+    arrays, stats = run_engine(model, maps, runs, session=GPU, tmp_path=tmp_path)
+    other, _ = run_engine(model, maps, runs[:1], session={**GPU, "n_ubatch": 16}, tmp_path=tmp_path)
+    floor = kl(arrays["stock"], other["stock"])
+    for name in ("plumb", "oracle", "nothing_filled"):
+        d = kl(arrays["stock"], arrays[name])
+        print(f"{name}: KL {d:.3g} (floor {floor:.3g})")
+        assert stats[name]["applied"] == 1 and arrays[name].argmax() == arrays["stock"].argmax(), name
+        assert d <= max(10 * floor, 1e-5), (name, d, floor)
+
+
+@pytest.mark.parametrize("params", [{}, {"exact_rows": [40, 41, 120]}, {"probe": [16, 8]}],
+                         ids=["plain", "exact-rows", "probe"])
+def test_the_window_aware_fill_gives_the_bytes_of_the_full_fill_on_cuda(params, gemma3, tmp_path):
+    require_cuda_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "rows", "rows": 40, "params": {**BASE, **params}},
+            {"name": "decode", "params": {**BASE, **params}}]
+    skipped, st = run_engine(model, maps, runs, session=GPU, tmp_path=tmp_path)
+    every, _ = run_engine(model, maps, runs, session=GPU, tmp_path=tmp_path,
+                          env={"LLAMA_RIDGEFILL_FULL_WINDOW_FILL": "1"})
+    assert st["decode"]["n_fill_skipped"] > 0
+    for name in ("rows", "decode"):
+        assert skipped[name].tobytes() == every[name].tobytes(), name
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_masks_made_in_the_graphs_with_the_window_give_the_bytes_of_host_made_masks_on_cuda(flash_attn, gemma3,
+                                                                                           tmp_path):
+    require_cuda_builds("ridgefill")
+    model, maps = gemma3
+    arms = (("ridge", {}), ("rows", {"exact_rows": [40, 41, 120]}), ("probe", {"probe": [16, 8]}))
+    runs = [{"name": name, "params": {**BASE, **extra}} for name, extra in arms]
+    session = {**GPU, "flash_attn": flash_attn, "n_ubatch": 16}
+    device, st = run_engine(model, maps, runs, session=session, tmp_path=tmp_path)
+    host, st_host = run_engine(model, maps, runs, session=session, tmp_path=tmp_path,
+                               env={"LLAMA_RIDGEFILL_HOST_MASK": "1"})
+    for name, _ in arms:
+        assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
+        assert st[name]["exact_rows"] == st_host[name]["exact_rows"], name
+        assert device[name].tobytes() == host[name].tobytes(), name
+
+
+def test_the_ridge_arm_on_a_sliding_window_model_stays_near_numpy_on_cuda(gemma3, tmp_path):
+    require_cuda_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "stock", "stock": True}, {"name": "ridge", "params": {**BASE, "exact_rows": []}}]
+    arrays, stats = run_engine(model, maps, runs, session={**GPU, "f32_cache": True}, tmp_path=tmp_path)
+    ref, mats = reference_and_maps(model, maps)
+    tokens = arrays["tokens"].tolist()
+
+    def rel(got, want):
+        return float(np.abs(got - want).max() / np.abs(want).max())
+
+    # the floor: CUDA's stock prefill against NumPy's (CUDA's kernels, F16 flash attention)
+    floor = rel(arrays["stock"], ref.forward(tokens)[0][-1])
+    err = rel(arrays["ridge"], ref.ridgefill_forward(tokens, SPLIT, BASE["tail"], "ridge", mats)[-1])
+    print(f"gemma3 ridge on CUDA against NumPy: rel {err:.2e} (stock: {floor:.2e}), "
+          f"{stats['ridge']['n_fill_skipped']} fills skipped")
+    assert stats["ridge"]["applied"] == 1 and stats["ridge"]["n_fill_skipped"] > 0
+    assert err < max(3 * floor, 5e-4), (err, floor)
