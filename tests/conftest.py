@@ -35,9 +35,10 @@ def require_builds(*builds: str) -> None:
         pytest.skip(f"build(s) {missing} not built: run `make build`")
 
 
-def run_py(code: str, build: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def run_py(code: str, build: str | None = None, check: bool = True,
+           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run Python code in a fresh process (a process loads one libllama only)."""
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     if build:
         env["RIDGEFILL_GGUF_BUILD"] = build
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,

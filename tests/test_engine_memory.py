@@ -1,9 +1,10 @@
 """RidgeFill's memory: its buffers are sized when the maps are attached, from the context (x_S for every row the
 context holds, the exact rows' mask for one chunk, the inputs for the tail, the probe's), a prefill whose exact rows
 fit the tail allocates nothing more, and the exact rows' mask holds one chunk whatever their number: where every
-fill runs first, each chunk runs all late layers in turn, in the rows attach made for the exact rows' inputs, and its
-mask is made once; otherwise the inputs grow to every exact row and the mask is made once per layer; the same logits
-byte for byte."""
+fill runs first (resident or streamed maps), each chunk runs all late layers in turn, in the rows attach made for the
+exact rows' inputs, and its mask is made once; in the layer-major order (the rescales, the oracle, a hybrid's
+streamed maps; LLAMA_RIDGEFILL_LAYER_MAJOR=1 here) the inputs grow to every exact row and the mask is made once per
+layer; the same logits byte for byte."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from ridgefill_gguf.engine import bindings as B
 
 cfg = json.loads(CFG)
 out = {}
-for placement in ("resident", "streamed"):
+for name, placement in cfg["placements"]:
     S = Session(cfg["model"], n_ctx=cfg["n_ctx"], n_batch=64, n_ubatch=cfg["n_ubatch"], n_threads=2)
     S.attach(cfg["maps"], placement)
     at_attach = B.buffer_bytes(S.ctx)
@@ -40,7 +41,7 @@ for placement in ("resident", "streamed"):
     B.configure(S.ctx, probe=[16, 8])  # the listed rows run exactly in the probe's pass as well
     _, _, st_probe = S.ridgefill(tokens, exact_rows=list(range(10, 10 + cfg["n_many"])))
     B.configure(S.ctx, probe=[0, 0])
-    out[placement] = {"at_attach": at_attach, "with_probe": with_probe, "after_tail": after_tail,
+    out[name] = {"at_attach": at_attach, "with_probe": with_probe, "after_tail": after_tail,
                       "after_many": after_many, "after_probe_many": B.buffer_bytes(S.ctx),
                       "probe_exact": st_probe["n_probe_exact"], "tail_masks": st_tail["n_masks_made"],
                       "masks": st["n_masks_made"], "n_exact": st["n_exact"], "n_tail": st["n_tail"],
@@ -62,9 +63,14 @@ def result(llama_with_maps):
     model, maps = llama_with_maps
     cfg = {"model": str(model), "maps": str(maps), "n_ctx": N_CTX, "n_ubatch": N_UBATCH, "tail": TAIL,
            "n_prompt": N_PROMPT, "n_many": N_MANY}
-    proc = run_py(SCRIPT.replace("CFG", repr(json.dumps(cfg))), build="ridgefill")
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):]), model
+    out = {}
+    for placements, env in (([("resident", "resident"), ("streamed", "streamed")], {}),
+                            ([("layer_major", "resident")], {"LLAMA_RIDGEFILL_LAYER_MAJOR": "1"})):
+        code = SCRIPT.replace("CFG", repr(json.dumps({**cfg, "placements": placements})))
+        proc = run_py(code, build="ridgefill", extra_env=env)
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+        out.update(json.loads(line[len("RESULT "):]))
+    return out, model
 
 
 def expected_at_attach(model) -> int:
@@ -89,16 +95,17 @@ def test_attach_sizes_the_buffers_from_the_context_and_a_prefill_within_the_tail
 def test_more_exact_rows_than_the_tail_run_in_attachs_buffers_chunk_major_and_grow_only_their_inputs_layer_major(result):
     res, model = result
     n_run = N_MANY + 1 + TAIL - 1  # the listed rows, position 0 (always exact) and this call's tail
-    for placement in ("resident", "streamed"):
-        r = res[placement]
-        assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1, (placement, r)
-    # resident maps take the chunk-major order, whose chunks reuse x_ex's rows in turn, as do the known exact
-    # rows in the probe's pass
-    r = res["resident"]
-    assert r["after_many"] == r["after_tail"] and r["probe_exact"] == 8, r
-    assert r["after_probe_many"] == r["after_tail"], r
-    # streamed maps keep the layer-major order, where every run row's input waits for the next layer
-    r = res["streamed"]
+    for name in ("resident", "streamed", "layer_major"):
+        r = res[name]
+        assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1, (name, r)
+    # resident and streamed maps take the chunk-major order, whose chunks reuse x_ex's rows in turn, as do the
+    # known exact rows in the probe's pass
+    for name in ("resident", "streamed"):
+        r = res[name]
+        assert r["after_many"] == r["after_tail"] and r["probe_exact"] == 8, (name, r)
+        assert r["after_probe_many"] == r["after_tail"], (name, r)
+    # in the layer-major order every run row's input waits for the next layer
+    r = res["layer_major"]
     assert r["after_many"] - r["after_tail"] == 2 * 4 * ModelShape.from_gguf(model).n_embd * (n_run - 1025), r
 
 
@@ -106,15 +113,16 @@ def test_each_chunk_runs_every_late_layer_in_turn_so_its_mask_is_made_once(resul
     res, _ = result
     chunks = -(-(N_MANY + 1 + TAIL - 1) // N_UBATCH)
     late_layers = 4 - 1
-    assert res["resident"]["masks"] == chunks, res["resident"]
-    # streamed maps keep the layer-major order: each chunk's mask is made again at every late layer
-    assert res["streamed"]["masks"] == chunks * late_layers, res["streamed"]
-    # the tail alone is two chunks
-    assert (res["resident"]["tail_masks"], res["streamed"]["tail_masks"]) == (2, 2 * late_layers)
-    assert res["resident"]["device_mask"] == 1
+    for name in ("resident", "streamed"):
+        assert res[name]["masks"] == chunks and res[name]["tail_masks"] == 2, (name, res[name])  # the tail: 2 chunks
+        assert res[name]["device_mask"] == 1
+    # the layer-major order makes each chunk's mask again at every late layer
+    assert res["layer_major"]["masks"] == chunks * late_layers, res["layer_major"]
+    assert res["layer_major"]["tail_masks"] == 2 * late_layers
 
 
-def test_chunk_major_and_layer_major_orders_give_the_same_logits_byte_for_byte(result):
+def test_chunk_major_and_layer_major_orders_and_both_placements_give_the_same_logits_byte_for_byte(result):
     res, _ = result
-    assert res["resident"]["logits"] == res["streamed"]["logits"]
-    assert res["resident"]["logits_tail"] == res["streamed"]["logits_tail"]
+    for name in ("streamed", "layer_major"):
+        assert res["resident"]["logits"] == res[name]["logits"], name
+        assert res["resident"]["logits_tail"] == res[name]["logits_tail"], name

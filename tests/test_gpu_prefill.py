@@ -41,6 +41,27 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_cuda(model_and
     assert resident["ridge"].tobytes() == streamed["ridge"].tobytes()
 
 
+def test_streamed_maps_give_the_resident_bytes_with_the_probe_when_each_fill_outlasts_the_next_copy_on_cuda(
+        tmp_path):
+    # The probe's pass queues every late layer's fill without waiting; the copy of a later layer's map lands in the
+    # staging slot an earlier fill reads, on another stream. 32K rows and small Q8_0 maps make a fill outlast the
+    # next copy, so a copy that did not wait for the fills before it would change these bytes.
+    require_cuda_builds("ridgefill")
+    shape = dataclasses.replace(tiny_shape("llama"), n_layer=8, n_embd=1024, n_ff=2048, n_head=8, n_head_kv=4,
+                                head_dim=128, n_ctx_train=65536)
+    model = write_random_model(tmp_path / "llama.gguf", shape, dtype="q8_0", seed=7)
+    maps = write_random_maps(model, 2, tmp_path / "maps.gguf")
+    tokens = [1000 + (i * 7919) % 20000 for i in range(32768)]
+    runs = [{"name": "probe", "params": {"fill": "ridge", "tail": 1024, "min_prefix": 0, "probe": [256, 2048]}},
+            {"name": "ridge", "params": {"fill": "ridge", "tail": 1024, "min_prefix": 0}}]
+    session = {**GPU, "n_batch": 2048, "n_ubatch": 512}
+    out = {p: run_engine(model, maps, runs, session={**session, "placement": p}, tokens=tokens, n_ctx=33792,
+                         tmp_path=tmp_path) for p in ("resident", "streamed")}
+    for run in runs:
+        assert out["streamed"][1][run["name"]]["applied"] == 1, run["name"]
+        assert out["resident"][0][run["name"]].tobytes() == out["streamed"][0][run["name"]].tobytes(), run["name"]
+
+
 def test_plumb_oracle_and_nothing_filled_stay_within_the_noise_floor_on_cuda(model_and_maps, tmp_path):
     require_cuda_builds("ridgefill")
     model, maps = model_and_maps
