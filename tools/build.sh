@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Configure (once) and build one llama.cpp tree: the shared libllama/ggml libraries,
-# llama-server, llama-cli and llama-perplexity. CUDA when nvcc and a GPU are present.
+# llama-server, llama-cli, llama-perplexity and ggml-rpc-server. CUDA when nvcc and a GPU are present.
 #   tools/build.sh SOURCE_DIR BUILD_DIR
 # Environment: CUDA_ARCH (default 90), RIDGEFILL_CUDA=0|1 (default: auto), TARGETS (default: the list below),
 #              JOBS (default: nproc), EXTRA_CMAKE_ARGS.
@@ -21,7 +21,7 @@ fi
 args=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
       -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
-      -DGGML_BACKEND_DL=OFF)
+      -DGGML_BACKEND_DL=OFF -DGGML_RPC=ON)  # RPC: layer splits over rpc-server hosts (tests start them on 127.0.0.1)
 if [ "$cuda" = 1 ]; then
     args+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}")
 elif grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
@@ -49,4 +49,4 @@ if [ ! -f "$out/CMakeCache.txt" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" 
 fi
 echo "build: $out ($jobs jobs)"
 # shellcheck disable=SC2086
-cmake --build "$out" -j "$jobs" --target ${TARGETS:-llama ggml llama-server llama-cli llama-perplexity}
+cmake --build "$out" -j "$jobs" --target ${TARGETS:-llama ggml llama-server llama-cli llama-perplexity ggml-rpc-server}

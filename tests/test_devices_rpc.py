@@ -1,0 +1,112 @@
+"""RidgeFill across llama.cpp's layer split over RPC hosts, on the CPU: two ggml-rpc-server processes on 127.0.0.1
+(the CPU backend, one thread each, started and stopped here) take the repeating layers (`--rpc`, `-ngl 99`, split
+between them by their memory), the local CPU the embeddings and the output. With one thread everywhere every op
+runs the same code on the same numbers wherever it is placed, so the split must give one device's bytes: the
+top-5 log-probabilities of four generated tokens, compared as floats."""
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import SMOLLM2_N_LAYER, require_builds, smollm2_with_random_maps
+from ridgefill_gguf import libs
+from ridgefill_gguf.serve import Server, free_port
+
+PROMPT = "The river rose through the night, and by morning the lower fields were under water. " * 30
+N_PREDICT = 4
+
+
+@contextlib.contextmanager
+def rpc_hosts(build: str, tmp_path, n: int = 2, timeout: float = 30.0):
+    """n ggml-rpc-server processes of `build` on 127.0.0.1; yields the --rpc list."""
+    binary = libs.find_binary(build, "ggml-rpc-server")
+    ports = [free_port() for _ in range(n)]
+    procs = [subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(p), "-t", "1"],
+                              stdout=open(tmp_path / f"rpc-{build}-{p}.log", "w"), stderr=subprocess.STDOUT)
+             for p in ports]
+    try:
+        deadline = time.monotonic() + timeout
+        for p, proc in zip(ports, procs):
+            while True:
+                assert proc.poll() is None, f"rpc-server on port {p} exited ({proc.returncode})"
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", p)) == 0:
+                        break
+                assert time.monotonic() < deadline, f"rpc-server on port {p} did not listen within {timeout:.0f} s"
+                time.sleep(0.1)
+        yield ",".join(f"127.0.0.1:{p}" for p in ports)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def top_probs(response: dict) -> list:
+    return [[(t["token"], t["logprob"]) for t in p["top_logprobs"]] for p in response["completion_probabilities"]]
+
+
+def requests(build: str, model, maps, tmp_path, name: str, rpc: str | None = None, placement: str = "resident",
+             arms=("stock", "plain", "probe")) -> dict:
+    """Each arm's top log-probabilities and RidgeFill statistics from one server."""
+    # -v: the log names each layer's device
+    extra = ("--rpc", rpc, "-ngl", "99", "--tensor-split", "1,1", "-v") if rpc else ()
+    out = {}
+    with Server(model, maps, build=build, tail=256, min_prefix=0, threads=1, n_ctx=2048, placement=placement,
+                extra=extra, log_path=tmp_path / f"{name}.log") as srv:
+        for arm in arms:
+            fields = {"ridgefill": arm != "stock"} if build == "ridgefill" else {}
+            if arm == "plain":
+                fields["ridgefill_select"] = "none"
+            r = srv.complete(PROMPT, n_predict=N_PREDICT, n_probs=5, **fields)
+            out[arm] = (top_probs(r), r["timings"].get("ridgefill"))
+    log = (tmp_path / f"{name}.log").read_text(errors="replace")
+    if rpc:  # every repeating layer went to an RPC host, and both hosts are the server's devices
+        used = set(re.findall(r"using device RPC\d+ \((127\.0\.0\.1:\d+)\)", log))
+        assert used == set(rpc.split(",")), used
+        on = dict(re.findall(r"layer +(\d+) assigned to device (RPC\d+)", log))
+        assert {str(il) for il in range(SMOLLM2_N_LAYER)} <= set(on) and set(on.values()) == {"RPC0", "RPC1"}, on
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return smollm2_with_random_maps(tmp_path_factory.mktemp("devices-rpc"))
+
+
+def test_ridgefill_off_with_maps_attached_on_a_layer_split_over_rpc_hosts_gives_upstreams_bytes(smollm2, tmp_path):
+    require_builds()
+    model, maps = smollm2
+    with rpc_hosts("upstream", tmp_path) as rpc:
+        upstream = requests("upstream", model, None, tmp_path, "upstream-split", rpc, arms=("stock",))
+    with rpc_hosts("ridgefill", tmp_path) as rpc:
+        patched = requests("ridgefill", model, maps, tmp_path, "off-split", rpc, arms=("stock",))
+    assert len(upstream["stock"][0]) == N_PREDICT and patched["stock"][1] is None
+    assert patched["stock"][0] == upstream["stock"][0]
+
+
+def test_ridgefill_on_a_layer_split_over_rpc_hosts_gives_one_devices_bytes_and_chooses_the_same_rows(
+        smollm2, tmp_path):
+    require_builds("ridgefill")
+    model, maps = smollm2
+    one = requests("ridgefill", model, maps, tmp_path, "one-device")
+    with rpc_hosts("ridgefill", tmp_path) as rpc:
+        split = requests("ridgefill", model, maps, tmp_path, "split", rpc)
+        streamed = requests("ridgefill", model, maps, tmp_path, "split-streamed", rpc, placement="streamed",
+                            arms=("probe",))
+    for arm in ("stock", "plain", "probe"):
+        assert split[arm][0] == one[arm][0], arm
+    rows = ("filled", "exact", "tail", "selected")
+    for arm in ("plain", "probe"):
+        assert {k: split[arm][1][k] for k in rows} == {k: one[arm][1][k] for k in rows}, arm
+    assert one["probe"][1]["selected"] > 0 and one["plain"][1]["filled"] > 0
+    assert streamed["probe"][0] == one["probe"][0]
