@@ -56,8 +56,10 @@ def top_probs(response: dict) -> list:
 
 
 def requests(build: str, model, maps, tmp_path, name: str, rpc: str | None = None, placement: str = "resident",
-             arms=("stock", "plain", "probe")) -> dict:
-    """Each arm's top log-probabilities and RidgeFill statistics from one server."""
+             arms=("stock", "plain", "probe"), n_layer: int = SMOLLM2_N_LAYER, prompt: str = PROMPT,
+             probe_share: float | None = None) -> dict:
+    """Each arm's top log-probabilities and RidgeFill statistics from one server; probe_share: the probe keeps that
+    share of the prefix instead of its budget's count."""
     # -v: the log names each layer's device
     extra = ("--rpc", rpc, "-ngl", "99", "--tensor-split", "1,1", "-v") if rpc else ()
     out = {}
@@ -67,20 +69,43 @@ def requests(build: str, model, maps, tmp_path, name: str, rpc: str | None = Non
             fields = {"ridgefill": arm != "stock"} if build == "ridgefill" else {}
             if arm == "plain":
                 fields["ridgefill_select"] = "none"
-            r = srv.complete(PROMPT, n_predict=N_PREDICT, n_probs=5, **fields)
+            if arm == "probe" and probe_share:
+                fields["ridgefill_exact_share"] = probe_share
+            r = srv.complete(prompt, n_predict=N_PREDICT, n_probs=5, **fields)
             out[arm] = (top_probs(r), r["timings"].get("ridgefill"))
     log = (tmp_path / f"{name}.log").read_text(errors="replace")
     if rpc:  # every repeating layer went to an RPC host, and both hosts are the server's devices
         used = set(re.findall(r"using device RPC\d+ \((127\.0\.0\.1:\d+)\)", log))
         assert used == set(rpc.split(",")), used
         on = dict(re.findall(r"layer +(\d+) assigned to device (RPC\d+)", log))
-        assert {str(il) for il in range(SMOLLM2_N_LAYER)} <= set(on) and set(on.values()) == {"RPC0", "RPC1"}, on
+        assert {str(il) for il in range(n_layer)} <= set(on) and set(on.values()) == {"RPC0", "RPC1"}, on
     return out
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     return smollm2_with_random_maps(tmp_path_factory.mktemp("devices-rpc"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen35"])
+def test_a_random_models_ridgefill_prefill_on_a_layer_split_over_rpc_hosts_gives_one_devices_bytes(arch, tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+
+    n_layer = 8
+    model, maps = tiny_model_with_maps(tmp_path, arch, n_layer=n_layer, split=2)
+    # a hybrid's slot prefills a prompt's last ubatch and more the stock way, to checkpoint its state: 1,500 rows
+    # a random model's text has no rows the budget counts: the probe keeps a quarter of the prefix instead
+    kw = {"n_layer": n_layer, "prompt": PROMPT * 3, "probe_share": 0.25}
+    one = requests("ridgefill", model, maps, tmp_path, "one-device", **kw)
+    with rpc_hosts("ridgefill", tmp_path) as rpc:
+        split = requests("ridgefill", model, maps, tmp_path, "split", rpc, **kw)
+    for arm in ("stock", "plain", "probe"):
+        assert split[arm][0] == one[arm][0], arm
+    for arm in ("plain", "probe"):
+        assert split[arm][1]["filled"] == one[arm][1]["filled"] > 0, arm
+        assert split[arm][1]["exact"] == one[arm][1]["exact"], arm
+    assert split["probe"][1]["selected"] == one["probe"][1]["selected"] > 100
 
 
 def test_ridgefill_off_with_maps_attached_on_a_layer_split_over_rpc_hosts_gives_upstreams_bytes(smollm2, tmp_path):
