@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from .bench import layer_macs, row_cells
+from .bench import layer_macs, markdown_table, row_cells
 from .random_gguf import REAL_SHAPES, ModelShape
 from .util import write_atomic
 
@@ -59,13 +59,17 @@ def even_split(n_layer: int, n_dev: int) -> list[int]:
     return [round(g * n_layer / n_dev) for g in range(n_dev + 1)]
 
 
+def exact_rows(w: Workload) -> int:
+    """The tail and the share of the prefix kept exact."""
+    return w.tail + round(w.exact_share * (w.n - w.tail))
+
+
 def layer_costs(s: ModelShape, w: Workload) -> dict[str, list[float]]:
     """Per layer, multiply-accumulates: the stock prefill's (every row), sweep one's (below the split), the fill's
     (filled rows after the split) and the late units' (exact rows; a hybrid's recurrent layers also carry the filled
     rows)."""
     m = layer_macs(s)
-    prefix = w.n - w.tail
-    n_exact = w.tail + round(w.exact_share * prefix)
+    n_exact = exact_rows(w)
     n_filled = w.n - n_exact
     out = {"stock": [], "fill": [], "late": []}
     for il in range(s.n_layer):
@@ -82,6 +86,12 @@ def layer_costs(s: ModelShape, w: Workload) -> dict[str, list[float]]:
         carried = n_filled * (m["deltanet_fill"] + (s.n_embd * s.n_embd if il > w.split else 0)) if recurrent else 0.0
         out["late"].append(exact + carried if late else 0.0)
     return out
+
+
+def ridgefill_costs(s: ModelShape, w: Workload) -> list[float]:
+    """Per layer, RidgeFill's multiply-accumulates: sweep one below the split, the fill and the late units above."""
+    c = layer_costs(s, w)
+    return [(a if il < w.split else 0.0) + b + d for il, (a, b, d) in enumerate(zip(c["stock"], c["fill"], c["late"]))]
 
 
 def balanced_split(costs: list[float], n_dev: int) -> list[int]:
@@ -161,7 +171,7 @@ def simulate(s: ModelShape, w: Workload, bounds: list[int], link: Link, rate: fl
             ready[g] = max(ready[g], t if g != src else sweep_t) + fill_dev[g]
     late_dev = per_device(costs["late"], range(w.split, s.n_layer))
     hybrid = any(s.is_recurrent(il) for il in range(w.split, s.n_layer))
-    n_exact = w.tail + round(w.exact_share * (w.n - w.tail))
+    n_exact = exact_rows(w)
     chunk = w.ubatch if overlap else w.chunk
     n_units = math.ceil((w.n if hybrid else n_exact) / chunk)
     unit_rows = math.ceil(n_exact / n_units)
@@ -193,18 +203,17 @@ def plan(preset: str, w: Workload, rate: float, devices=(1, 2, 4, 8), links=tupl
     """Stock on llama.cpp's even split against RidgeFill on the even split, on a split that shares RidgeFill's work,
     and on that split with x_S and the fills overlapping sweep one."""
     s = REAL_SHAPES[preset]
-    costs = layer_costs(s, w)
-    rf_costs = [(a if il < w.split else 0.0) + b + c
-                for il, (a, b, c) in enumerate(zip(costs["stock"], costs["fill"], costs["late"]))]
+    rf_costs = ridgefill_costs(s, w)
     rows = []
     for n_dev in devices:
-        even = even_split(s.n_layer, n_dev)
-        arms = [("even", even, False), ("balanced", balanced_split(rf_costs, n_dev), False),
-                ("balanced+overlap", balanced_split(rf_costs, n_dev), True)]
+        balanced = balanced_split(rf_costs, n_dev)
+        arms = [("even", even_split(s.n_layer, n_dev), False), ("balanced", balanced, False),
+                ("balanced+overlap", balanced, True)]
         for name in links if n_dev > 1 else links[:1]:
-            stock_even = simulate(s, w, even, LINKS[name], rate)["stock_s"]
+            stock_even = None  # the even arm comes first
             for arm, bounds, overlap in arms if n_dev > 1 else arms[:1]:
                 r = simulate(s, w, bounds, LINKS[name], rate, overlap)
+                stock_even = stock_even or r["stock_s"]
                 rows.append({"preset": preset, "arm": arm, "link_key": name, "layer_split": w.split,
                              "exact_share": w.exact_share, "stock_even_s": stock_even,
                              "speedup_vs_stock_even": stock_even / r["ridgefill_s"], **r})
@@ -218,18 +227,18 @@ def markdown(result: dict) -> str:
              f"{w['n']:,} rows, tail {w['tail']}, ubatch "
              f"{w['ubatch']}, chunk {w['chunk']}. `even`: llama.cpp's default split by layers; `balanced`: contiguous "
              "ranges that share RidgeFill's work; `+overlap`: x_S sent and filled a ubatch at a time during sweep one, late "
-             "units of a ubatch. Stock is timed on the even split; every pipeline keeps at most 4 units in flight.", "",
-             "| model (split S) | exact share | devices | link | RidgeFill's layer ranges | stock, even split | "
-             "RidgeFill | speedup | busy (stock / RidgeFill) | GB crossed (stock / RidgeFill) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "units of a ubatch. Stock is timed on the even split; every pipeline keeps at most 4 units in flight.", ""]
+    header = ["model (split S)", "exact share", "devices", "link", "RidgeFill's layer ranges", "stock, even split",
+              "RidgeFill", "speedup", "busy (stock / RidgeFill)", "GB crossed (stock / RidgeFill)"]
+    table = []
     for r in result["rows"]:
         b = r["bytes"]
         rf_bytes = b["sweep_one"] + b["x_split"] + b["late_units"]
-        lines.append(f"| {r['preset']} (S {r['layer_split']}) | {r['exact_share']} | {r['devices']} | {r['link_key']} | "
-                     f"{r['arm']} {r['bounds']} | {r['stock_even_s']:.2f} s | {r['ridgefill_s']:.2f} s | "
-                     f"{r['speedup_vs_stock_even']:.2f}x | {r['busy_stock']:.0%} / {r['busy_ridgefill']:.0%} | "
-                     f"{b['stock'] / GB:.1f} / {rf_bytes / GB:.1f} |")
-    return "\n".join(lines) + "\n"
+        table.append([f"{r['preset']} (S {r['layer_split']})", r["exact_share"], r["devices"], r["link_key"],
+                      f"{r['arm']} {r['bounds']}", f"{r['stock_even_s']:.2f} s", f"{r['ridgefill_s']:.2f} s",
+                      f"{r['speedup_vs_stock_even']:.2f}x", f"{r['busy_stock']:.0%} / {r['busy_ridgefill']:.0%}",
+                      f"{b['stock'] / GB:.1f} / {rf_bytes / GB:.1f}"])
+    return "\n".join(lines + markdown_table(None, header, table)) + "\n"
 
 
 def main(argv=None) -> None:

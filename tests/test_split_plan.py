@@ -9,7 +9,7 @@ import pytest
 
 from ridgefill_gguf.bench import mac_ceiling
 from ridgefill_gguf.random_gguf import REAL_SHAPES
-from ridgefill_gguf.split_plan import LINKS, Link, Workload, balanced_split, even_split, layer_costs, simulate
+from ridgefill_gguf.split_plan import LINKS, Link, Workload, balanced_split, even_split, ridgefill_costs, simulate
 
 FREE = Link("free", float("inf"), 0.0)
 RATE = 60e12
@@ -56,9 +56,7 @@ def test_each_boundary_moves_every_rows_hidden_state_once_a_hop():
 def test_a_slower_link_never_makes_a_prefill_faster(preset):
     s = REAL_SHAPES[preset]
     w = Workload(n=16384, split=s.n_layer // 4, exact_share=0.24)
-    costs = layer_costs(s, w)
-    rf = [(a if il < w.split else 0.0) + b + c
-          for il, (a, b, c) in enumerate(zip(costs["stock"], costs["fill"], costs["late"]))]
+    rf = ridgefill_costs(s, w)
     for bounds in (even_split(s.n_layer, 4), balanced_split(rf, 4)):
         for overlap in (False, True):
             times = [simulate(s, w, bounds, link, RATE, overlap) for link in
