@@ -26,9 +26,9 @@ def rpc_hosts(build: str, tmp_path, n: int = 2, timeout: float = 30.0):
     """n ggml-rpc-server processes of `build` on 127.0.0.1; yields the --rpc list."""
     binary = libs.find_binary(build, "ggml-rpc-server")
     ports = [free_port() for _ in range(n)]
-    procs = [subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(p), "-t", "1"],
-                              stdout=open(tmp_path / f"rpc-{build}-{p}.log", "w"), stderr=subprocess.STDOUT)
-             for p in ports]
+    logs = [open(tmp_path / f"rpc-{build}-{p}.log", "w") for p in ports]
+    procs = [subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(p), "-t", "1"], stdout=log,
+                              stderr=subprocess.STDOUT) for p, log in zip(ports, logs)]
     try:
         deadline = time.monotonic() + timeout
         for p, proc in zip(ports, procs):
@@ -49,6 +49,8 @@ def rpc_hosts(build: str, tmp_path, n: int = 2, timeout: float = 30.0):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for log in logs:
+            log.close()
 
 
 def top_probs(response: dict) -> list:
