@@ -2,9 +2,10 @@
 context holds, the exact rows' mask for one chunk, the inputs for the tail, the probe's), a prefill whose exact rows
 fit the tail allocates nothing more, and the exact rows' mask holds one chunk whatever their number: where every
 fill runs first (resident or streamed maps), each chunk runs all late layers in turn, in the rows attach made for the
-exact rows' inputs, and its mask is made once; in the layer-major order (the rescales, the oracle, a hybrid's
-streamed maps; LLAMA_RIDGEFILL_LAYER_MAJOR=1 here) the inputs grow to every exact row and the mask is made once per
-layer; the same logits byte for byte."""
+exact rows' inputs, and its mask is made once; a hybrid's carry groups pass the late layers in runs that fit those
+rows, with either placement; in the layer-major order (the rescales, the oracle, the state correction;
+LLAMA_RIDGEFILL_LAYER_MAJOR=1 here) the inputs grow to every exact row and the mask is made once per layer; the
+same logits byte for byte."""
 from __future__ import annotations
 
 import json
@@ -41,8 +42,16 @@ for name, placement in cfg["placements"]:
     B.configure(S.ctx, probe=[16, 8])  # the listed rows run exactly in the probe's pass as well
     _, _, st_probe = S.ridgefill(tokens, exact_rows=list(range(10, 10 + cfg["n_many"])))
     B.configure(S.ctx, probe=[0, 0])
+    after_probe_many = B.buffer_bytes(S.ctx)
+    B.configure(S.ctx, rescale=[16, True, False])  # the layer-major order: room for every row's input
+    with_rescale = B.buffer_bytes(S.ctx)
+    _, _, st_rescale = S.ridgefill(tokens, exact_rows=list(range(10, 10 + cfg["n_many"])))
+    after_rescale = B.buffer_bytes(S.ctx)
+    B.configure(S.ctx, rescale=[0, False, False])
     out[name] = {"at_attach": at_attach, "with_probe": with_probe, "after_tail": after_tail,
-                      "after_many": after_many, "after_probe_many": B.buffer_bytes(S.ctx),
+                      "after_many": after_many, "after_probe_many": after_probe_many,
+                      "with_rescale": with_rescale, "after_rescale": after_rescale,
+                      "rescale_exact": st_rescale["n_exact"],
                       "probe_exact": st_probe["n_probe_exact"], "tail_masks": st_tail["n_masks_made"],
                       "masks": st["n_masks_made"], "n_exact": st["n_exact"], "n_tail": st["n_tail"],
                       "applied": st["applied"], "device_mask": st["device_mask"],
@@ -58,9 +67,13 @@ def llama_with_maps(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def result(llama_with_maps):
+def hybrid_with_maps(tmp_path_factory):
+    """qwen35's tiny shape over 4 layers at split 1: two late DeltaNet layers, then an attention layer"""
+    return tiny_model_with_maps(tmp_path_factory.mktemp("engine-memory-hybrid"), "qwen35", n_layer=4, split=1)
+
+
+def run_orders(model, maps) -> dict:
     require_builds("ridgefill")
-    model, maps = llama_with_maps
     cfg = {"model": str(model), "maps": str(maps), "n_ctx": N_CTX, "n_ubatch": N_UBATCH, "tail": TAIL,
            "n_prompt": N_PROMPT, "n_many": N_MANY}
     out = {}
@@ -70,7 +83,19 @@ def result(llama_with_maps):
         proc = run_py(code, build="ridgefill", extra_env=env)
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
         out.update(json.loads(line[len("RESULT "):]))
-    return out, model
+    return out
+
+
+@pytest.fixture(scope="module")
+def result(llama_with_maps):
+    model, maps = llama_with_maps
+    return run_orders(model, maps), model
+
+
+@pytest.fixture(scope="module")
+def hybrid_result(hybrid_with_maps):
+    model, maps = hybrid_with_maps
+    return run_orders(model, maps), model
 
 
 def expected_at_attach(model) -> int:
@@ -126,3 +151,39 @@ def test_chunk_major_and_layer_major_orders_and_both_placements_give_the_same_lo
     for name in ("streamed", "layer_major"):
         assert res["resident"]["logits"] == res[name]["logits"], name
         assert res["resident"]["logits_tail"] == res[name]["logits_tail"], name
+
+
+def test_a_hybrids_groups_pass_the_late_layers_together_in_attachs_buffers_with_resident_and_streamed_maps(hybrid_result):
+    # the carry's groups (48 rows each here) run every late layer in runs whose exact rows fit the inputs attach made
+    # (the default tail and position 0: 1,025 rows), so 1,240 run rows take two runs; streamed maps cross once a run
+    res, model = hybrid_result
+    for name in ("resident", "streamed", "layer_major"):
+        r = res[name]
+        assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1, (name, r)
+    for name in ("resident", "streamed"):
+        r = res[name]
+        assert r["after_many"] == r["after_tail"] and r["after_probe_many"] == r["after_tail"], (name, r)
+    n_run = N_MANY + 1 + TAIL - 1
+    r = res["layer_major"]
+    assert r["after_many"] - r["after_tail"] == 2 * 4 * ModelShape.from_gguf(model).n_embd * (n_run - 1025), r
+
+
+def test_a_hybrids_runs_of_groups_and_the_layer_major_order_give_the_same_logits_byte_for_byte(hybrid_result):
+    res, _ = hybrid_result
+    for name in ("streamed", "layer_major"):
+        assert res["resident"]["logits"] == res[name]["logits"], name
+        assert res["resident"]["logits_tail"] == res[name]["logits_tail"], name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_the_rescales_make_room_for_every_rows_input_when_set_so_a_prefill_with_them_grows_nothing(arch, result,
+                                                                                                   hybrid_result):
+    # the rescales take the layer-major order, where every exact row's input waits at each late layer: setting them
+    # sizes the inputs for the context's every row (which --fit counts where the server's flags set them)
+    res, model = result if arch == "llama" else hybrid_result
+    shape = ModelShape.from_gguf(model)
+    norms = 4 * 4 * shape.n_head_kv * 16  # per KV head four norms for each of the 16 measuring rows
+    for name in ("resident", "streamed"):
+        r = res[name]
+        assert r["with_rescale"] - r["after_probe_many"] == 2 * 4 * shape.n_embd * (N_CTX - 1025) + norms, (name, r)
+        assert r["after_rescale"] == r["with_rescale"] and r["rescale_exact"] == N_MANY + 1, (name, r)

@@ -28,11 +28,11 @@ def expected_buffers(d: int) -> int:
             + 2 * 4 * d * PROBE_ROWS + 4 * N_CTX * PROBE_ROWS + 4 * N_CTX)
 
 
-def run_server(model, maps, log_path) -> tuple[str, list[dict]]:
+def run_server(model, maps, log_path, more: tuple = ()) -> tuple[str, list[dict]]:
     """A server started and stopped; with maps it first serves one plain RidgeFill request of 4,000 tokens, whose
     exact rows (the tail and position 0) fit the buffers attach made, then one whose probe keeps half the prefix
     exact."""
-    extra = ("-fa", "off", "-b", str(N_UBATCH), "-ub", str(N_UBATCH), "-v")
+    extra = ("-fa", "off", "-b", str(N_UBATCH), "-ub", str(N_UBATCH), "-v") + more
     timings = []
     with Server(model, maps, n_ctx=N_CTX, threads=2, extra=extra, log_path=log_path,
                 tail=TAIL if maps else None) as srv:
@@ -133,3 +133,21 @@ def test_a_hybrids_ridgefill_prefill_needs_no_compute_buffer_beyond_what_attach_
     grown = compute_growth(log).get("CPU")
     held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", log)[-1])
     assert abs(held - reserved) < 0.01, (held, reserved, grown)
+
+
+def test_with_the_rescale_flag_fit_projects_room_for_every_rows_input_and_a_rescaled_prefill_grows_nothing(
+        smollm2_with_maps, logs, tmp_path):
+    # the rescales run the late layers layer by layer, where every exact row's input waits: the flag sizes those
+    # inputs for the context's every row (and the norms of the 512 measuring rows) before --fit measures
+    stock, _, _, _, _ = logs
+    model, maps = smollm2_with_maps
+    rf, timings = run_server(model, maps, tmp_path / "rescale.log", more=("--ridgefill-rescale", "values"))
+    n_head_kv = 3  # SmolLM2-135M
+    expected = (maps.stat().st_size + expected_buffers(N_EMBD) + 2 * 4 * N_EMBD * (N_CTX - TAIL - 1)
+                + 4 * 4 * n_head_kv * 512) / MiB
+    assert abs((fit_projection_mib(rf) - fit_projection_mib(stock)) - expected) <= 2, expected
+    assert timings[1]["exact"] + timings[1]["tail"] > 2 * (TAIL + 1), timings
+    assert [t["rescale"] for t in timings] == ["values", "values"], timings
+    assert parse_breakdown(rf)["Host"]["self"] == fit_projection_mib(rf)
+    # the flag's room is made once the server's parameters are set at start, before any request
+    assert "grows" not in rf[rf.index("RidgeFill prefill of"):]
