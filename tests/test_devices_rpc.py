@@ -137,3 +137,24 @@ def test_ridgefill_on_a_layer_split_over_rpc_hosts_gives_one_devices_bytes_and_c
         assert {k: split[arm][1][k] for k in rows} == {k: one[arm][1][k] for k in rows}, arm
     assert one["probe"][1]["selected"] > 0 and one["plain"][1]["filled"] > 0
     assert streamed["probe"][0] == one["probe"][0]
+
+
+def test_a_tensor_split_is_refused_by_name_and_the_server_serves_upstreams_bytes_saying_why(smollm2, tmp_path):
+    # -sm tensor makes one meta device that splits every weight over the hosts; RidgeFill's graphs put each late
+    # layer on one device, so the maps are refused before any of them goes to a device
+    require_builds()
+    model, maps = smollm2
+    out = {}
+    for build, m in (("upstream", None), ("ridgefill", maps)):
+        with rpc_hosts(build, tmp_path) as rpc:
+            extra = ("--rpc", rpc, "-ngl", "99", "-sm", "tensor", "-v")
+            with Server(model, m, build=build, tail=256, min_prefix=0, threads=1, n_ctx=2048, extra=extra,
+                        log_path=tmp_path / f"{build}.log") as srv:
+                r = srv.complete(PROMPT, n_predict=N_PREDICT, n_probs=5, **({"ridgefill": True} if m else {}))
+                out[build] = (top_probs(r), r["timings"].get("ridgefill"), srv.get("/props").get("ridgefill"))
+    log = (tmp_path / "ridgefill.log").read_text(errors="replace")
+    assert "creating a Meta device for tensor parallelism" in log
+    assert "does not run on llama.cpp's tensor split (-sm tensor)" in log
+    probs, timings, props = out["ridgefill"]
+    assert probs == out["upstream"][0] and len(probs) == N_PREDICT
+    assert "refused at start" in timings["not_used"] and props["attached"] is False, (timings, props)
