@@ -59,11 +59,11 @@ def top_probs(response: dict) -> list:
 
 def requests(build: str, model, maps, tmp_path, name: str, rpc: str | None = None, placement: str = "resident",
              arms=("stock", "plain", "probe"), n_layer: int = SMOLLM2_N_LAYER, prompt: str = PROMPT,
-             probe_share: float | None = None) -> dict:
+             probe_share: float | None = None, tensor_split: str = "1,1") -> dict:
     """Each arm's top log-probabilities and RidgeFill statistics from one server; probe_share: the probe keeps that
     share of the prefix instead of its budget's count."""
     # -v: the log names each layer's device
-    extra = ("--rpc", rpc, "-ngl", "99", "--tensor-split", "1,1", "-v") if rpc else ()
+    extra = ("--rpc", rpc, "-ngl", "99", "--tensor-split", tensor_split, "-v") if rpc else ()
     out = {}
     with Server(model, maps, build=build, tail=256, min_prefix=0, threads=1, n_ctx=2048, placement=placement,
                 extra=extra, log_path=tmp_path / f"{name}.log") as srv:
@@ -158,3 +158,25 @@ def test_a_tensor_split_is_refused_by_name_and_the_server_serves_upstreams_bytes
     probs, timings, props = out["ridgefill"]
     assert probs == out["upstream"][0] and len(probs) == N_PREDICT
     assert "refused at start" in timings["not_used"] and props["attached"] is False, (timings, props)
+
+
+def test_late_layers_on_another_host_read_x_s_there_and_make_their_masks_there_giving_one_devices_bytes(smollm2,
+                                                                                                       tmp_path):
+    # three quarters of the layers on the first host: the split (15) and late layers 16-22 there, 23-29 on the
+    # second, whose graphs read x_S from the copy made there once per prefill (every row: 2,048 x 576 x 4 bytes) and
+    # make their exact rows' masks in a buffer there (flash attention: F16 over 2,048 cells for a chunk of 2,048)
+    require_builds("ridgefill")
+    model, maps = smollm2
+    one = requests("ridgefill", model, maps, tmp_path, "one-device", arms=("plain", "probe"))
+    with rpc_hosts("ridgefill", tmp_path) as rpc:
+        split = requests("ridgefill", model, maps, tmp_path, "split-3-1", rpc, arms=("plain", "probe"),
+                         tensor_split="3,1")
+    log = (tmp_path / "split-3-1.log").read_text(errors="replace")
+    on = dict(re.findall(r"layer +(\d+) assigned to device (RPC\d+)", log))
+    assert on["15"] == on["16"] == "RPC0" and on["29"] == "RPC1", on
+    second = rpc.split(",")[1]
+    copies = re.findall(r"RidgeFill buffers for the context: RPC\d\[" + re.escape(second) + r"\] ([\d.]+) MiB", log)
+    assert copies and float(copies[0]) == (2048 * 576 * 4 + 2048 * 2048 * 2) / 2**20, copies
+    for arm in ("plain", "probe"):
+        assert split[arm][0] == one[arm][0], arm
+        assert split[arm][1]["filled"] == one[arm][1]["filled"] > 0 and split[arm][1]["exact"] == one[arm][1]["exact"]
