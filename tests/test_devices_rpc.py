@@ -160,11 +160,11 @@ def test_a_tensor_split_is_refused_by_name_and_the_server_serves_upstreams_bytes
     assert "refused at start" in timings["not_used"] and props["attached"] is False, (timings, props)
 
 
-def test_late_layers_on_another_host_read_x_s_there_and_make_their_masks_there_giving_one_devices_bytes(smollm2,
-                                                                                                       tmp_path):
+def test_late_layers_on_another_host_read_x_s_their_masks_and_inputs_there_giving_one_devices_bytes(smollm2, tmp_path):
     # three quarters of the layers on the first host: the split (15) and late layers 16-22 there, 23-29 on the
-    # second, whose graphs read x_S from the copy made there once per prefill (every row: 2,048 x 576 x 4 bytes) and
-    # make their exact rows' masks in a buffer there (flash attention: F16 over 2,048 cells for a chunk of 2,048)
+    # second, whose graphs read x_S from the copy made there once per prefill (every row: 2,048 x 576 x 4 bytes),
+    # make their exact rows' masks in a buffer there (flash attention: F16 over 2,048 cells for a chunk of 2,048) and
+    # read the exact rows' inputs there, which layer 22 writes across (two buffers of a chunk's rows)
     require_builds("ridgefill")
     model, maps = smollm2
     one = requests("ridgefill", model, maps, tmp_path, "one-device", arms=("plain", "probe"))
@@ -176,7 +176,7 @@ def test_late_layers_on_another_host_read_x_s_there_and_make_their_masks_there_g
     assert on["15"] == on["16"] == "RPC0" and on["29"] == "RPC1", on
     second = rpc.split(",")[1]
     copies = re.findall(r"RidgeFill buffers for the context: RPC\d\[" + re.escape(second) + r"\] ([\d.]+) MiB", log)
-    assert copies and float(copies[0]) == (2048 * 576 * 4 + 2048 * 2048 * 2) / 2**20, copies
+    assert copies and float(copies[0]) == (2048 * 576 * 4 + 2048 * 2048 * 2 + 2 * 2048 * 576 * 4) / 2**20, copies
     for arm in ("plain", "probe"):
         assert split[arm][0] == one[arm][0], arm
         assert split[arm][1]["filled"] == one[arm][1]["filled"] > 0 and split[arm][1]["exact"] == one[arm][1]["exact"]
