@@ -161,10 +161,10 @@ def test_a_tensor_split_is_refused_by_name_and_the_server_serves_upstreams_bytes
 
 
 def test_late_layers_on_another_host_read_x_s_their_masks_and_inputs_there_giving_one_devices_bytes(smollm2, tmp_path):
-    # three quarters of the layers on the first host: the split (15) and late layers 16-22 there, 23-29 on the
+    # three quarters of the layers on the first host: the split (15) and late layers 16-23 there, 24-29 on the
     # second, whose graphs read x_S from the copy made there once per prefill (every row: 2,048 x 576 x 4 bytes),
     # make their exact rows' masks in a buffer there (flash attention: F16 over 2,048 cells for a chunk of 2,048) and
-    # read the exact rows' inputs there, which layer 22 writes across (two buffers of a chunk's rows)
+    # read the exact rows' inputs there, which layer 23 writes across (two buffers of a chunk's rows)
     require_builds("ridgefill")
     model, maps = smollm2
     one = requests("ridgefill", model, maps, tmp_path, "one-device", arms=("plain", "probe"))
@@ -180,3 +180,10 @@ def test_late_layers_on_another_host_read_x_s_their_masks_and_inputs_there_givin
     for arm in ("plain", "probe"):
         assert split[arm][0] == one[arm][0], arm
         assert split[arm][1]["filled"] == one[arm][1]["filled"] > 0 and split[arm][1]["exact"] == one[arm][1]["exact"]
+        assert one[arm][1]["late_devices"] == 1 and one[arm][1]["bytes_moved"] == 0, one[arm][1]
+        assert split[arm][1]["late_devices"] == 2, split[arm][1]
+    # what moved, plain: x_S's rows to the second host once, then each row that runs the late layers exactly crosses
+    # from layer 23 to 24 once (layer 29 keeps only its K/V: nothing crosses back)
+    t = split["plain"][1]
+    assert t["bytes_moved"] == (t["rows"] + t["rows"] - t["filled"]) * 576 * 4, t
+    assert re.search(r"RidgeFill's late layers \(from the split\): RPC0 15-23, RPC1 24-29", log), log[-2000:]

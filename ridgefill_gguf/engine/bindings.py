@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 17
+API_VERSION = 18
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -93,7 +93,8 @@ class Stats(ctypes.Structure):
                 ("device_mask", ctypes.c_int32), ("n_whole_numbers", ctypes.c_int32),
                 ("n_state_corrected", ctypes.c_int32),
                 ("n_masks_made", ctypes.c_int32), ("t_recurrent_ms", ctypes.c_double),
-                ("n_fill_skipped", ctypes.c_int32)]
+                ("n_fill_skipped", ctypes.c_int32), ("n_late_devices", ctypes.c_int32),
+                ("n_bytes_moved", ctypes.c_int64)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
