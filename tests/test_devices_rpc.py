@@ -171,6 +171,9 @@ def test_late_layers_on_another_host_read_x_s_their_masks_and_inputs_there_givin
     with rpc_hosts("ridgefill", tmp_path) as rpc:
         split = requests("ridgefill", model, maps, tmp_path, "split-3-1", rpc, arms=("plain", "probe"),
                          tensor_split="3,1")
+        # streamed maps: each host stages the maps of its own late layers in slots of its own
+        streamed = requests("ridgefill", model, maps, tmp_path, "split-3-1-streamed", rpc, placement="streamed",
+                            arms=("plain",), tensor_split="3,1")
     log = (tmp_path / "split-3-1.log").read_text(errors="replace")
     on = dict(re.findall(r"layer +(\d+) assigned to device (RPC\d+)", log))
     assert on["15"] == on["16"] == "RPC0" and on["29"] == "RPC1", on
@@ -187,3 +190,11 @@ def test_late_layers_on_another_host_read_x_s_their_masks_and_inputs_there_givin
     t = split["plain"][1]
     assert t["bytes_moved"] == (t["rows"] + t["rows"] - t["filled"]) * 576 * 4, t
     assert re.search(r"RidgeFill's late layers \(from the split\): RPC0 15-23, RPC1 24-29", log), log[-2000:]
+    assert streamed["plain"][0] == one["plain"][0]
+    from gguf import GGUFReader
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(maps).tensors}
+    slots = 2 * (sizes["blk.29.rf_map.weight"] + sizes["blk.29.rf_map.bias"]) / 2**20  # two of one layer's map
+    log_streamed = (tmp_path / "split-3-1-streamed.log").read_text(errors="replace")
+    held = re.findall(r"RidgeFill buffers for the context: RPC\d\[" + re.escape(second) + r"\] ([\d.]+) MiB",
+                      log_streamed)
+    assert held and abs(float(held[0]) - float(copies[0]) - slots) < 0.01, (held, copies)

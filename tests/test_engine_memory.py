@@ -109,12 +109,11 @@ def test_attach_sizes_the_buffers_from_the_context_and_a_prefill_within_the_tail
     res, model = result
     for placement in ("resident", "streamed"):
         r = res[placement]
-        staging = r["at_attach"] - res["resident"]["at_attach"]
-        assert r["at_attach"] - staging == expected_at_attach(model), (placement, r)
+        assert r["at_attach"] == expected_at_attach(model), (placement, r)
         assert r["with_probe"] > r["at_attach"]  # the probe's rows, mask and scores, once its parameters are set
         assert r["after_tail"] == r["with_probe"], r
-    # streamed maps add the two staging slots of one layer's map
-    assert res["streamed"]["at_attach"] > res["resident"]["at_attach"]
+    # on the CPU a streamed map is read where it lies in host memory: no staging slots (a device holding late
+    # layers gets two of its largest map; tests/test_devices_rpc.py)
 
 
 def test_more_exact_rows_than_the_tail_run_in_attachs_buffers_chunk_major_and_grow_only_their_inputs_layer_major(result):
