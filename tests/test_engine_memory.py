@@ -153,18 +153,17 @@ def test_chunk_major_and_layer_major_orders_and_both_placements_give_the_same_lo
 
 
 def test_a_hybrids_groups_pass_the_late_layers_together_in_attachs_buffers_with_resident_and_streamed_maps(hybrid_result):
-    # the carry's groups (48 rows each here) run every late layer in runs whose exact rows fit the inputs attach made
-    # (the default tail and position 0: 1,025 rows), so 1,240 run rows take two runs; streamed maps cross once a run
+    # attach makes room for a carry graph's rows (the default chunk, 4,096, capped by the context: every row here);
+    # the carry's groups (48 rows each once configured) run every late layer in runs whose exact rows fit the tail's
+    # room (1,025 rows), so 1,240 run rows take two runs, and streamed maps cross once a run
     res, model = hybrid_result
+    d = ModelShape.from_gguf(model).n_embd
     for name in ("resident", "streamed", "layer_major"):
         r = res[name]
         assert r["applied"] == 1 and r["n_exact"] == N_MANY + 1 and r["n_tail"] == TAIL - 1, (name, r)
-    for name in ("resident", "streamed"):
-        r = res[name]
         assert r["after_many"] == r["after_tail"] and r["after_probe_many"] == r["after_tail"], (name, r)
-    n_run = N_MANY + 1 + TAIL - 1
-    r = res["layer_major"]
-    assert r["after_many"] - r["after_tail"] == 2 * 4 * ModelShape.from_gguf(model).n_embd * (n_run - 1025), r
+    assert res["resident"]["at_attach"] - res["streamed"]["at_attach"] == 0  # the CPU stages no streamed map
+    assert res["resident"]["at_attach"] - expected_at_attach(model) == 2 * 4 * d * (N_CTX - 1025), res["resident"]
 
 
 def test_a_hybrids_runs_of_groups_and_the_layer_major_order_give_the_same_logits_byte_for_byte(hybrid_result):
@@ -182,7 +181,8 @@ def test_the_rescales_make_room_for_every_rows_input_when_set_so_a_prefill_with_
     res, model = result if arch == "llama" else hybrid_result
     shape = ModelShape.from_gguf(model)
     norms = 4 * 4 * shape.n_head_kv * 16  # per KV head four norms for each of the 16 measuring rows
+    at_attach = 1025 if arch == "llama" else N_CTX  # the tail's room, or a hybrid's carry graph (every row here)
     for name in ("resident", "streamed"):
         r = res[name]
-        assert r["with_rescale"] - r["after_probe_many"] == 2 * 4 * shape.n_embd * (N_CTX - 1025) + norms, (name, r)
+        assert r["with_rescale"] - r["after_probe_many"] == 2 * 4 * shape.n_embd * (N_CTX - at_attach) + norms, r
         assert r["after_rescale"] == r["with_rescale"] and r["rescale_exact"] == N_MANY + 1, (name, r)

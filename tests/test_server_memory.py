@@ -125,10 +125,9 @@ def test_a_hybrids_ridgefill_prefill_needs_no_compute_buffer_beyond_what_attach_
                              cache_prompt=False, **fields)
             assert r["timings"]["ridgefill"]["filled"] > 0, r["timings"]
     log = (tmp_path / "hybrid.log").read_text(errors="replace")
-    # a hybrid's second sweep is layer-major: most of the prefix exact outgrows the exact rows' inputs attach made for
-    # the tail, and the log says so (at info level), since --fit did not count it
-    inputs = re.findall(r"RidgeFill's rf_x_exact_a grows from ([\d.]+) to ([\d.]+) MiB", log)
-    assert inputs and float(inputs[0][1]) > float(inputs[0][0]), inputs
+    # a hybrid's carry groups (2,048 rows here: the context) pass the late layers together, and attach made room for
+    # one group's exact rows, so even 90% of the prefix exact grows nothing
+    assert "grows" not in log[log.index("RidgeFill prefill of"):], log[-3000:]
     reserved = float(re.findall(r"RidgeFill's graphs reserved: CPU compute buffer ([\d.]+) MiB", log)[-1])
     grown = compute_growth(log).get("CPU")
     held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", log)[-1])
