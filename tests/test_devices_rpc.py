@@ -160,7 +160,8 @@ def test_a_tensor_split_is_refused_by_name_and_the_server_serves_upstreams_bytes
     assert "refused at start" in timings["not_used"] and props["attached"] is False, (timings, props)
 
 
-def test_late_layers_on_another_host_read_x_s_their_masks_and_inputs_there_giving_one_devices_bytes(smollm2, tmp_path):
+def test_late_layers_on_another_host_read_x_s_masks_inputs_and_the_probes_rows_there_giving_one_devices_bytes(smollm2,
+                                                                                                             tmp_path):
     # three quarters of the layers on the first host: the split (15) and late layers 16-23 there, 24-29 on the
     # second, whose graphs read x_S from the copy made there once per prefill (every row: 2,048 x 576 x 4 bytes),
     # make their exact rows' masks in a buffer there (flash attention: F16 over 2,048 cells for a chunk of 2,048) and
@@ -189,6 +190,10 @@ def test_late_layers_on_another_host_read_x_s_their_masks_and_inputs_there_givin
     # from layer 23 to 24 once (layer 29 keeps only its K/V: nothing crosses back)
     t = split["plain"][1]
     assert t["bytes_moved"] == (t["rows"] + t["rows"] - t["filled"]) * 576 * 4, t
+    # the probe's pass has its rows, masks and scores on each device too: its known and probe rows cross once more,
+    # so no row crosses more than twice (a graph reading another device's buffer would copy it whole, every time)
+    p = split["probe"][1]
+    assert t["bytes_moved"] < p["bytes_moved"] <= 3 * p["rows"] * 576 * 4, p
     assert re.search(r"RidgeFill's late layers \(from the split\): RPC0 15-23, RPC1 24-29", log), log[-2000:]
     assert streamed["plain"][0] == one["plain"][0]
     from gguf import GGUFReader
