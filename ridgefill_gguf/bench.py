@@ -356,8 +356,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                  "rows": {k: st.get(k, 0) for k in ("filled", "exact", "special", "tail",
                                                                      "fill_skipped")},
                                  "phases_ms": med,
-                                 # a layer split: the devices holding late layers, the bytes moved between devices
-                                 "devices": {k: st.get(k) for k in ("late_devices", "bytes_moved")},
+                                 # a layer split: the devices holding late layers, the bytes moved between them, which device ran what
+                                 "devices": {k: st.get(k) for k in ("late_devices", "bytes_moved", "devices")},
                                  # MiB in use on the GPU: RidgeFill's buffers stay allocated once made, so the
                                  # exact arm's peak includes them; stock_before_ridgefill does not
                                  "peak_memory_mib": {"exact": _max(peaks["exact"]),
@@ -469,7 +469,7 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
             "probe_rows": st.get("probe_rows", 0),
             "selected": st["selected"], "budget": st.get("budget", 0), "lexical": st.get("lexical", 0),
             "prefix": st["filled"] + st["exact"],
-            "devices": {k: st.get(k) for k in ("late_devices", "bytes_moved")},
+            "devices": {k: st.get(k) for k in ("late_devices", "bytes_moved", "devices")},
             "phases_ms": phase_medians(stats, ("early_ms", "fill_ms", "exact_ms", "probe_ms"))}
 
 

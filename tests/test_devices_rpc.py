@@ -195,6 +195,8 @@ def test_late_layers_on_another_host_read_x_s_masks_inputs_and_the_probes_rows_t
     p = split["probe"][1]
     assert t["bytes_moved"] < p["bytes_moved"] <= 3 * p["rows"] * 576 * 4, p
     assert re.search(r"RidgeFill's late layers \(from the split\): RPC0 15-23, RPC1 24-29", log), log[-2000:]
+    assert t["devices"] == "sweep one: RPC0 0-14; late layers: RPC0 15-23, RPC1 24-29", t
+    assert one["plain"][1]["devices"] == "sweep one: CPU 0-14; late layers: CPU 15-29", one["plain"][1]
     assert streamed["plain"][0] == one["plain"][0]
     from gguf import GGUFReader
     sizes = {t.name: int(t.n_bytes) for t in GGUFReader(maps).tensors}

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 18
+API_VERSION = 19
 
 
 class RidgeFillUnavailable(RuntimeError):
