@@ -115,6 +115,9 @@ def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
     assert r["summary"]["ridge"]["all"]["n"] == 3 and r["summary"]["ridge+probe"]["all"]["n"] == 3
     for row in rows:  # the probe and its count-matched control ran with the same number of exact rows
         assert row["rows"]["ridge+probe"]["n_exact"] == row["rows"]["ridge+random:probe"]["n_exact"] > 10
+        # and each row says what chose them: the probe's pass here (a fixed share), the random draw there
+        probe, rand = row["rows"]["ridge+probe"], row["rows"]["ridge+random:probe"]
+        assert probe["n_probe_exact"] > 0 and rand["n_random"] == probe["n_probe_exact"] and rand["n_probe_exact"] == 0
     assert all(f"| d{i}.txt | " in (tmp_path / "out" / "summary.md").read_text() for i in range(3))
     assert (tmp_path / "out" / "summary.png").exists()
     # a second run finds everything done

@@ -21,6 +21,9 @@ from typing import Callable
 FILLS = ("ridge", "identity", "none", "plumb", "oracle")
 SELECTORS = ("probe", "attention", "protected", "blind-probe", "blind-attention")
 RESCALES = ("values", "keys", "both")
+# the prefill statistics that say which rows ran exactly and what chose them, kept beside each result
+ROW_COUNTS = ("n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "n_budget", "n_lexical",
+              "n_whole_numbers", "n_protected", "n_random")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..util import hardware, save_figure, write_atomic
-from .arms import SelectorOptions, arm_params, parse_arms, selected
+from .arms import ROW_COUNTS, SelectorOptions, arm_params, parse_arms, selected
 from .documents import append_jsonl, load_jsonl, write_summary
 from .stats import bootstrap_mean, mean_or_none
 
@@ -210,9 +210,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
         else:
             logits, _, st = sess.ridgefill(tokens, **params)
             out = sess.greedy(logits, len(tokens), MAX_NEW[task])
-        keep = ("applied", "n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "n_budget",
-                "n_lexical", "n_whole_numbers", "n_protected", "n_random", "reason")
-        kept = {k: st[k] for k in keep if k in st}
+        kept = {k: st[k] for k in ("applied", *ROW_COUNTS, "reason") if k in st}
         if st.get("applied") and "exact_rows" in st:
             kept["needle_rows_exact"] = sample.needle_rows_exact(st["exact_rows"], sample.first_tail_row(st["n_tail"]))
         return {"pred": sess.detokenize(out), "stats": kept}

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ..util import hardware, save_figure
-from .arms import parse_arms, run_arms
+from .arms import ROW_COUNTS, parse_arms, run_arms
 from .documents import DocumentOptions, append_jsonl, document_mean, load_jsonl, long_documents, write_summary
 from .tokens import key_mask, novel_mask, token_nll
 
@@ -91,7 +91,7 @@ def run_nll(model: str | Path, maps: str | Path, docs: list[str | Path], out_dir
 
             stats = run_arms(arms, len(tokens), opts.tail, opts.selectors, prefill)
             row = doc_result(doc.doc_id, doc.name, tokens, nll, cut, opts.score)
-            row["rows"] = {arm: {k: st[k] for k in ("n_filled", "n_exact", "n_tail")} for arm, st in stats.items()}
+            row["rows"] = {arm: {k: st[k] for k in ROW_COUNTS if k in st} for arm, st in stats.items()}
             append_jsonl(rows_path, row)
             done[doc.doc_id] = row
             n_new += 1
