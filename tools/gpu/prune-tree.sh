@@ -8,7 +8,7 @@ src="$root/vendor/llama.cpp-upstream"
 out=${1:-$root/.cache/device/llama.cpp}
 [ -d "$src" ] || { echo "prune: $src missing: run make vendor" >&2; exit 1; }
 rm -rf "$out.tmp" && mkdir -p "$out.tmp"
-keep_backends='ggml-cpu|ggml-cuda'
+keep_backends='ggml-cpu|ggml-cuda|ggml-rpc'  # both builds configure GGML_RPC=ON
 (cd "$src" && git archive --format=tar HEAD) | tar -x -C "$out.tmp" \
     --exclude='./docs' --exclude='docs/*' --exclude='media/*' --exclude='examples/*' --exclude='benches/*' \
     --exclude='tests/*' --exclude='tools/ui/src/*' --exclude='tools/ui/tests/*'
