@@ -175,7 +175,8 @@ def test_a_maps_file_that_does_not_fit_is_refused_by_name_and_the_server_serves_
     model, _, bad_maps, d = model_and_maps
     with Server(model, bad_maps, tail=64, min_prefix=0, threads=2, log_path=d / "bad.log") as srv:
         out = srv.complete(PROMPT, n_predict=3)
-    assert "ridgefill" not in out["timings"] and out["tokens_predicted"] == 3
+    # stock, and the request (which asks for RidgeFill by default) hears why it did not get it
+    assert "refused at start" in out["timings"]["ridgefill"]["not_used"] and out["tokens_predicted"] == 3
     log = (d / "bad.log").read_text()
     assert "RidgeFill maps refused, serving without them" in log
     assert "a map is 128x128 (d_out x d_in), the model's residual stream is 64 wide" in log
