@@ -356,8 +356,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                  "rows": {k: st.get(k, 0) for k in ("filled", "exact", "special", "tail",
                                                                      "fill_skipped")},
                                  "phases_ms": med,
-                                 # a layer split: the devices holding late layers, the bytes moved between them, which device ran what
-                                 "devices": {k: st.get(k) for k in ("late_devices", "bytes_moved", "devices")},
+                                 "devices": device_stats(st),
                                  # MiB in use on the GPU: RidgeFill's buffers stay allocated once made, so the
                                  # exact arm's peak includes them; stock_before_ridgefill does not
                                  "peak_memory_mib": {"exact": _max(peaks["exact"]),
@@ -442,6 +441,12 @@ def build_identity() -> dict:
             "patch_series_sha256": hashlib.sha256(b"".join(p.read_bytes() for p in series)).hexdigest()[:16]}
 
 
+def device_stats(st: dict) -> dict:
+    """A layer split's figures from timings.ridgefill: the devices holding late layers, the bytes RidgeFill's graphs
+    moved between devices, and which device ran each phase's layers."""
+    return {k: st.get(k) for k in ("late_devices", "bytes_moved", "devices")}
+
+
 def ridgefill_requests(srv: Server, prompt: list[int], repeats: int, **request) -> tuple[list[float], list[dict]]:
     """prompt_ms and timings.ridgefill of `repeats` RidgeFill requests; a request RidgeFill did not serve raises."""
     ms, stats = [], []
@@ -469,7 +474,7 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
             "probe_rows": st.get("probe_rows", 0),
             "selected": st["selected"], "budget": st.get("budget", 0), "lexical": st.get("lexical", 0),
             "prefix": st["filled"] + st["exact"],
-            "devices": {k: st.get(k) for k in ("late_devices", "bytes_moved", "devices")},
+            "devices": device_stats(st),
             "phases_ms": phase_medians(stats, ("early_ms", "fill_ms", "exact_ms", "probe_ms"))}
 
 

@@ -199,7 +199,7 @@ def test_late_layers_on_another_host_read_x_s_masks_inputs_and_the_probes_rows_t
     assert one["plain"][1]["devices"] == "sweep one: CPU 0-14; late layers: CPU 15-29", one["plain"][1]
     assert streamed["plain"][0] == one["plain"][0]
     from gguf import GGUFReader
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(maps).tensors}
+    sizes = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(maps).tensors}
     slots = 2 * (sizes["blk.29.rf_map.weight"] + sizes["blk.29.rf_map.bias"]) / 2**20  # two of one layer's map
     log_streamed = (tmp_path / "split-3-1-streamed.log").read_text(errors="replace")
     held = re.findall(r"RidgeFill buffers for the context: RPC\d\[" + re.escape(second) + r"\] ([\d.]+) MiB",

@@ -94,9 +94,10 @@ def test_the_filled_arms_and_exact_rows_match_the_numpy_hybrid_arm_in_chunks_of_
     # step would cost the device its queue); the layer-major order (here the rescale) times the recurrent layers'
     # part on its own
     assert all(stats[k]["t_recurrent_ms"] == 0 < stats[k]["t_exact_ms"] for k in want), stats
-    _, other = run_engine(model, maps, [{"name": "streamed", "rows": TAIL, "params": base(chunk)},
-                                        {"name": "rescale", "rows": TAIL, "params": base(chunk, rescale=[16, True, False])}],
-                          session={**TIGHT, "placement": "streamed"}, tokens=tokens, tmp_path=tmp_path)
+    streamed_runs = [{"name": "streamed", "rows": TAIL, "params": base(chunk)},
+                     {"name": "rescale", "rows": TAIL, "params": base(chunk, rescale=[16, True, False])}]
+    _, other = run_engine(model, maps, streamed_runs, session={**TIGHT, "placement": "streamed"}, tokens=tokens,
+                          tmp_path=tmp_path)
     assert other["streamed"]["t_recurrent_ms"] == 0 < other["streamed"]["t_exact_ms"], other
     assert 0 < other["rescale"]["t_recurrent_ms"] <= other["rescale"]["t_exact_ms"], other
     assert stats["rows"]["n_exact"] == stats["ridge"]["n_exact"] + len(exact_rows)

@@ -3,9 +3,9 @@ context holds, the exact rows' mask for one chunk, the inputs for the tail, the 
 fit the tail allocates nothing more, and the exact rows' mask holds one chunk whatever their number: where every
 fill runs first (resident or streamed maps), each chunk runs all late layers in turn, in the rows attach made for the
 exact rows' inputs, and its mask is made once; a hybrid's carry groups pass the late layers in runs that fit those
-rows, with either placement; in the layer-major order (the rescales, the oracle, the state correction;
-LLAMA_RIDGEFILL_LAYER_MAJOR=1 here) the inputs grow to every exact row and the mask is made once per layer; the
-same logits byte for byte."""
+rows, with either placement; the parameters that take the layer-major order (the rescales here) make room for every
+row when set; forced into that order (LLAMA_RIDGEFILL_LAYER_MAJOR=1) without them, the inputs grow to every exact row
+and the mask is made once per layer; the same logits byte for byte."""
 from __future__ import annotations
 
 import json
