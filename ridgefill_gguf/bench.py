@@ -395,7 +395,26 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                      "median_off_ms": statistics.median(off_ms),
                                      "off_over_upstream": statistics.median(off_ms) / statistics.median(up_ms)})
                     save(partial=True)
+            if common["swa_full"]:
+                time_upstream_one_window(model, common, lengths, repeats, off_rows, commands, out_dir, prompts, log)
+                save(partial=True)
     return save(partial=False)
+
+
+def time_upstream_one_window(model, common: dict, lengths: list[int], repeats: int, off_rows: list[dict],
+                             commands: dict, out_dir: Path, prompts, log: Callable[[str], None]) -> None:
+    """A windowed model's upstream server as llama-server starts it by default: its windowed layers keep one
+    window of cells, not every row. Started alone after the pair (two caches of every row may not fit beside it)."""
+    with Server(model, build="upstream", log_path=out_dir / "server-upstream-one-window.log",
+                **{**common, "swa_full": False}) as up:
+        commands["upstream_one_window"] = " ".join(up.command)
+        by_n = prompts(up)
+        up.complete(by_n[lengths[0]], n_predict=1)
+        for row in off_rows:
+            ms = [up.complete(by_n[row["tokens"]], n_predict=1)["timings"]["prompt_ms"] for _ in range(repeats)]
+            row["upstream_one_window_ms"] = ms
+            row["median_upstream_one_window_ms"] = statistics.median(ms)
+            log(f"bench: upstream, one window of cells, {row['tokens']} tokens: {statistics.median(ms):.0f} ms")
 
 
 def against_upstream(rows: list[dict], off_rows: list[dict]) -> list[dict]:
@@ -602,6 +621,14 @@ def markdown(r: dict) -> str:
                         ["tokens", "upstream", "attached, off", "off / upstream"],
                         [[x["tokens"], f"{x['median_upstream_ms']:.0f}", f"{x['median_off_ms']:.0f}",
                           f"{x['off_over_upstream']:.3f}"] for x in r["off_vs_upstream"]])
+        if any("median_upstream_one_window_ms" in x for x in r["off_vs_upstream"]):
+            lines += markdown_table("Upstream's windowed cache: every row (--swa-full, as timed above) against one "
+                                    "window of cells (llama-server's default; medians, ms):",
+                                    ["tokens", "upstream, --swa-full", "upstream, one window", "one window / full"],
+                                    [[x["tokens"], f"{x['median_upstream_ms']:.0f}",
+                                      f"{x['median_upstream_one_window_ms']:.0f}",
+                                      f"{x['median_upstream_one_window_ms'] / x['median_upstream_ms']:.3f}"]
+                                     for x in r["off_vs_upstream"] if "median_upstream_one_window_ms" in x])
     if r.get("ridgefill_vs_upstream"):
         lines += markdown_table("RidgeFill against the upstream build's stock prefill (medians, ms; the exact arm above runs "
                         "on the RidgeFill server between RidgeFill requests):",

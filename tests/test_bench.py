@@ -168,6 +168,20 @@ def test_the_bench_times_upstream_against_ridgefill_attached_but_off(tmp_path):
     assert r["stock_warmup"]["resident"]["tokens"] == 400 and r["stock_warmup"]["resident"]["stock_ms"] > 0
 
 
+def test_the_bench_also_times_upstreams_default_one_window_cache_for_a_sliding_window_model(tmp_path):
+    require_builds("upstream", "ridgefill")
+    model = write_random_model(tmp_path / "m.gguf", tiny_shape("gemma3"), seed=3)
+    maps = write_random_maps(model, 2, tmp_path / "maps.gguf")
+    r = run_bench(model, maps, [300], tail=64, repeats=1, threads=2, out_dir=tmp_path / "out", label="swa",
+                  min_prefix=0, vs_upstream=True, log=lambda s: None)
+    (off,) = r["off_vs_upstream"]
+    assert len(off["upstream_one_window_ms"]) == 1 and off["median_upstream_one_window_ms"] > 0
+    commands = r["server_commands"]
+    assert "--swa-full" in commands["upstream"] and "--swa-full" in commands["resident"]
+    assert "--swa-full" not in commands["upstream_one_window"] and "--ridgefill" not in commands["upstream_one_window"]
+    assert "one window of cells" in (tmp_path / "out" / f"{r['date']}-swa.md").read_text()
+
+
 def test_ridgefill_is_also_compared_with_upstreams_stock_prefill_of_the_same_length():
     rows = [{"placement": "resident", "tokens": n, "median_exact_ms": ex, "median_ridgefill_ms": rf, "ceiling_macs": c}
             for n, ex, rf, c in ((100, 110.0, 50.0, 2.5), (200, 220.0, 100.0, 2.5))]
