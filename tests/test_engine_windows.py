@@ -31,14 +31,70 @@ def gemma3(tmp_path_factory):
     return model, convert(src, d / "gemma3.maps.gguf", model=model, outtype="f32").out
 
 
-def test_a_window_cache_that_drops_old_rows_is_refused_by_name_at_attach(gemma3, tmp_path):
+# llama-server's default: the windowed layers keep a window and a ubatch of cells (256 here) under a global cache of
+# 1,024, and the prompt is 690 rows, so that the late windowed layers reuse the cells as a ring
+ONE_WINDOW = {"swa_full": False}
+RING_PROMPT, RING_CTX = TEXT * 3, 1024
+
+
+# a full first chunk (32 rows), then a chunk from row 100 whose rows and windows span the ring exactly (row 325 and
+# the window before row 100, [69, 325], take 257 cells of 256 if the chunk held both)
+RING_ROWS = [*range(1, 32), 100, 325, 400, 520]
+
+
+@pytest.mark.parametrize("params", [{}, {"exact_rows": RING_ROWS}, {"probe": [16, 8]}, {"fill": "plumb"}],
+                         ids=["plain", "exact-rows", "probe", "plumb"])
+def test_a_one_window_cache_gives_the_bytes_of_a_cache_that_keeps_every_row(params, gemma3, tmp_path):
+    # the tail's rows from the prefill and the stock decode step after it: a cell that held another row when a
+    # chunk read it, or a reached row left unfilled, moves them (a chunk one row longer fails exact-rows)
     require_builds("ridgefill")
     model, maps = gemma3
-    with pytest.raises(AssertionError) as refused:
-        run_engine(model, maps, [{"name": "ridge", "params": {"fill": "ridge"}}], session={"swa_full": False},
-                   tmp_path=tmp_path)
-    assert "sliding-window layers' cache keeps only the last window's rows" in str(refused.value)
-    assert "--swa-full" in str(refused.value)
+    base = {"fill": "ridge", "tail": 40, "min_prefix": 0, **params}
+    runs = [{"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
+    ring, st = run_engine(model, maps, runs, session=ONE_WINDOW, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                          tmp_path=tmp_path)
+    full, st_full = run_engine(model, maps, runs, session=FULL, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                               tmp_path=tmp_path)
+    assert len(ring["tokens"]) > 2 * 256
+    for name in ("rows", "decode"):
+        assert st[name]["applied"] == 1, st[name]
+        for key in ("n_filled", "n_exact", "n_probe_exact"):
+            assert st[name][key] == st_full[name][key], (name, key)
+        assert ring[name].tobytes() == full[name].tobytes(), name
+    if "probe" not in params:  # (the probe's pass and the second sweep count their skips differently)
+        assert st["decode"]["n_fill_skipped"] == st_full["decode"]["n_fill_skipped"]
+
+
+def test_with_flash_attention_a_one_window_cache_moves_ridgefills_logits_as_little_as_stocks(gemma3, tmp_path):
+    # CPU flash attention rounds differently when the cells come in another order: stock's own logits move too
+    require_builds("ridgefill")
+    model, maps = gemma3
+    base = {"fill": "ridge", "tail": 40, "min_prefix": 0, "chunk": 48}
+    runs = [{"name": "stock", "stock": True}, {"name": "ridge", "params": base},
+            {"name": "probe", "params": {**base, "probe": [16, 8]}}]
+    out = {}
+    for name, cache in (("ring", ONE_WINDOW), ("full", FULL)):
+        out[name], _ = run_engine(model, maps, runs, session={"flash_attn": True, **cache}, prompt=RING_PROMPT,
+                                  n_ctx=RING_CTX, tmp_path=tmp_path)
+    floor = kl(out["full"]["stock"], out["ring"]["stock"])
+    for name in ("ridge", "probe"):
+        moved = kl(out["full"][name], out["ring"][name])
+        print(f"{name}: KL {moved:.2e} against stock's {floor:.2e}")
+        assert out["ring"][name].argmax() == out["full"][name].argmax() and moved < 10 * max(floor, 1e-10), name
+
+
+@pytest.mark.parametrize("params", [{"rescale": [16, True, False]}, {"fill": "oracle"}], ids=["rescale", "oracle"])
+def test_a_one_window_cache_refuses_by_name_what_runs_every_exact_row_layer_by_layer_and_serves_stock(
+        params, gemma3, tmp_path):
+    require_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "stock", "stock": True},
+            {"name": "arm", "params": {"fill": "ridge", "tail": 40, "min_prefix": 0, **params}}]
+    arrays, st = run_engine(model, maps, runs, session=ONE_WINDOW, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                            tmp_path=tmp_path)
+    assert st["arm"]["applied"] == 0 and arrays["arm"].tobytes() == arrays["stock"].tobytes()
+    assert "layer by layer, which a one-window cache cannot hold" in st["arm"]["reason"]
+    assert "--swa-full" in st["arm"]["reason"]
 
 
 @pytest.mark.parametrize("flash_attn", [False, True])
@@ -133,29 +189,35 @@ def test_the_ridge_arm_on_a_sliding_window_model_matches_an_independent_numpy_co
     assert np.abs(arrays["ridge"] - arrays["identity"]).max() > 1e-2
 
 
-def test_llama_server_serves_a_sliding_window_model_with_swa_full_and_refuses_the_maps_by_name_without_it(
+def test_llama_server_serves_a_sliding_window_model_over_its_default_one_window_cache_as_over_swa_full(
         gemma3, tmp_path):
-    # ridgefill_gguf's Server (serve, bench, the demo) adds --swa-full where maps meet a windowed model
+    # llama-server keeps one window of the windowed layers' cache unless told otherwise (256 cells here, for a
+    # 540-token prompt); ridgefill_gguf's Server (serve, bench, the demo) asks for --swa-full where maps meet windows
     from ridgefill_gguf.serve import Server
     from test_server import PROMPT
 
     require_builds("ridgefill")
     model, maps = gemma3
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=tmp_path / "full.log") as srv:
-        on = srv.complete(PROMPT, n_predict=3)
-        off = srv.complete(PROMPT, n_predict=3, ridgefill=False)
-    rf = on["timings"]["ridgefill"]
-    assert rf["split"] == SPLIT and rf["filled"] > 200 and rf["fill_skipped"] > 0
-    assert "ridgefill" not in off["timings"] and off["tokens_predicted"] == 3
-    assert "--swa-full" in srv.command  # ridgefill_gguf's servers ask for it where maps meet windows
-    # llama-server keeps one window of the windowed layers' cache unless told otherwise
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, swa_full=False,
-                log_path=tmp_path / "window.log") as srv:
-        stock = srv.complete(PROMPT, n_predict=3)
-    assert "refused at start" in stock["timings"]["ridgefill"]["not_used"] and stock["tokens_predicted"] == 3
-    log = (tmp_path / "window.log").read_text()
-    assert "RidgeFill off: the sliding-window layers' cache keeps only the last window's rows" in log
-    assert "(--swa-full)" in log
+    small_batches = ("-b", "64", "-ub", "32", "-fa", "off")
+    out = {}
+    for name, swa_full in (("full", None), ("window", False)):
+        with Server(model, maps, tail=64, min_prefix=0, threads=2, swa_full=swa_full, extra=small_batches,
+                    log_path=tmp_path / f"{name}.log") as srv:
+            out[name + "_probe"] = srv.complete(PROMPT, n_predict=3)  # the default selector: the probe
+            out[name] = srv.complete(PROMPT, n_predict=3, ridgefill_select="none")
+            out[name + "_off"] = srv.complete(PROMPT, n_predict=3, ridgefill=False)
+            out[name + "_command"] = srv.command
+    assert "--swa-full" in out["full_command"] and "--swa-full" not in out["window_command"]
+    assert "llama_kv_cache_iswa: using full-size SWA cache" not in (tmp_path / "window.log").read_text()
+    rf, rf_full = out["window"]["timings"]["ridgefill"], out["full"]["timings"]["ridgefill"]
+    assert rf["split"] == SPLIT and rf["filled"] > 300 and rf["fill_skipped"] == rf_full["fill_skipped"] > 0
+    assert out["window"]["content"] == out["full"]["content"] and out["window"]["tokens_predicted"] == 3
+    assert "ridgefill" not in out["window_off"]["timings"] and out["window_off"]["tokens_predicted"] == 3
+    # the probe's 256 rows and their window of 32 do not fit 256 cells: stock, and the request says why
+    assert out["full_probe"]["timings"]["ridgefill"]["exact"] > 0
+    why = out["window_probe"]["timings"]["ridgefill"]["not_used"]
+    assert "the probe's 256 rows and their window do not fit the windowed cache's 256 cells" in why
+    assert "--swa-full" in why and out["window_probe"]["content"] == out["window_off"]["content"]
 
 
 @pytest.fixture(scope="module")

@@ -114,3 +114,25 @@ def test_the_ridge_arm_on_a_sliding_window_model_stays_near_numpy_on_cuda(gemma3
           f"{stats['ridge']['n_fill_skipped']} fills skipped")
     assert stats["ridge"]["applied"] == 1 and stats["ridge"]["n_fill_skipped"] > 0
     assert err < max(3 * floor, 5e-4), (err, floor)
+
+
+def test_a_one_window_cache_on_cuda_moves_ridgefills_logits_as_little_as_stocks(gemma3, tmp_path):
+    # llama.cpp's default windowed cache (256 cells under a global 1,024, a 690-row prompt): the late windowed
+    # layers reuse its cells as a ring; CUDA's kernels see other cell counts, so stock's logits move too
+    from test_engine_windows import ONE_WINDOW, RING_CTX, RING_PROMPT, RING_ROWS
+
+    require_cuda_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "stock", "stock": True}, {"name": "ridge", "params": BASE},
+            {"name": "rows", "params": {**BASE, "exact_rows": RING_ROWS}},
+            {"name": "probe", "params": {**BASE, "probe": [16, 8]}}]
+    out, st = {}, {}
+    for name, cache in (("ring", ONE_WINDOW), ("full", FULL)):
+        out[name], st[name] = run_engine(model, maps, runs, session={**GPU, **cache}, prompt=RING_PROMPT,
+                                         n_ctx=RING_CTX, tmp_path=tmp_path)
+    floor = kl(out["full"]["stock"], out["ring"]["stock"])
+    for name in ("ridge", "rows", "probe"):
+        moved = kl(out["full"][name], out["ring"][name])
+        print(f"{name}: KL {moved:.3g} (stock's {floor:.3g})")
+        assert st["ring"][name]["applied"] == 1 and st["ring"][name]["n_exact"] == st["full"][name]["n_exact"]
+        assert out["ring"][name].argmax() == out["full"][name].argmax() and moved <= max(10 * floor, 1e-5), name
