@@ -262,12 +262,16 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
               threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
               label: str | None = None, min_prefix: int | None = None, extra: tuple[str, ...] = (),
               vs_upstream: bool = False, selectors: tuple[str, ...] = (), exact_shares: tuple[float, ...] = (),
-              state_update_us: float | None = None, log: Callable[[str], None] = print) -> dict:
+              state_update_us: float | None = None, swa_full: bool | None = None,
+              log: Callable[[str], None] = print) -> dict:
     """selectors: per length, RidgeFill with each exact-row selector (per request) beside plain RidgeFill.
     exact_shares: per length, RidgeFill with that share of the prefix as random exact rows, for the line
     tau(E) = tau0 + E sigma of paper Appendix H and kappa, an exact prefix row's cost over a tail row's.
     state_update_us: a hybrid's state update per row and layer as tools/gpu/gdn_bench.cpp measured it on this
-    device, for the ceilings that time it (add_state_update_ceilings)."""
+    device, for the ceilings that time it (add_state_update_ceilings).
+    swa_full: a windowed model's servers keep every row of the windowed cache (--swa-full; the default) or one
+    window of cells (False: llama-server's default, where RidgeFill reuses them as a ring); with vs_upstream the
+    upstream server is also timed with the other cache."""
     shape = ModelShape.from_gguf(model)
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
@@ -276,16 +280,17 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hw = hardware()
-    # a windowed model's RidgeFill server keeps every row of its windowed cache (--swa-full): upstream's too, so that
-    # both prefill over the same cache
+    # a windowed model's servers all keep the same windowed cache, so that they prefill over the same cells
+    windowed = model_window(model) > 0
     common = dict(n_ctx=n_max + 64, threads=threads, n_gpu_layers=n_gpu_layers, extra=extra,
-                  swa_full=model_window(model) > 0 or None)
+                  swa_full=(swa_full is not False) if windowed else None)
 
     def save(partial: bool) -> dict:
         """Written after every length, so a run cut short keeps what it measured."""
         result = {"benchmark": "time to first token, exact vs RidgeFill", "date": dt.date.today().isoformat(),
                   "hardware": hw, "model": str(model), "maps": str(maps), "split": split, "tail": tail,
-                  "repeats": repeats, "n_gpu_layers": n_gpu_layers, "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS},
+                  "repeats": repeats, "n_gpu_layers": n_gpu_layers, "swa_full": common["swa_full"],
+                  "shape": {k: getattr(shape, k) for k in SHAPE_FIELDS},
                   "server_commands": commands, "partial": partial, "rows": rows, "off_vs_upstream": off_rows,
                   "ridgefill_vs_upstream": against_upstream(rows, off_rows), "stock_warmup": warmups,
                   "selectors": sel_rows, "exact_rows_line": lines, "build": {**build_identity(), "servers": builds},
@@ -395,26 +400,29 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                      "median_off_ms": statistics.median(off_ms),
                                      "off_over_upstream": statistics.median(off_ms) / statistics.median(up_ms)})
                     save(partial=True)
-            if common["swa_full"]:
-                time_upstream_one_window(model, common, lengths, repeats, off_rows, commands, out_dir, prompts, log)
+            if windowed:
+                time_upstream_other_cache(model, common, lengths, repeats, off_rows, commands, out_dir, prompts, log)
                 save(partial=True)
     return save(partial=False)
 
 
-def time_upstream_one_window(model, common: dict, lengths: list[int], repeats: int, off_rows: list[dict],
-                             commands: dict, out_dir: Path, prompts, log: Callable[[str], None]) -> None:
-    """A windowed model's upstream server as llama-server starts it by default: its windowed layers keep one
-    window of cells, not every row. Started alone after the pair (two caches of every row may not fit beside it)."""
-    with Server(model, build="upstream", log_path=out_dir / "server-upstream-one-window.log",
-                **{**common, "swa_full": False}) as up:
-        commands["upstream_one_window"] = " ".join(up.command)
+def time_upstream_other_cache(model, common: dict, lengths: list[int], repeats: int, off_rows: list[dict],
+                              commands: dict, out_dir: Path, prompts, log: Callable[[str], None]) -> None:
+    """A windowed model's upstream server with the other windowed cache than the run's: one window of cells
+    (llama-server's default) beside --swa-full, or every row beside one window. Started alone after the pair
+    (two caches of every row may not fit beside a third)."""
+    one_window = bool(common["swa_full"])  # the other cache
+    key = "upstream_one_window" if one_window else "upstream_swa_full"
+    with Server(model, build="upstream", log_path=out_dir / f"server-{key.replace('_', '-')}.log",
+                **{**common, "swa_full": not one_window}) as up:
+        commands[key] = " ".join(up.command)
         by_n = prompts(up)
         up.complete(by_n[lengths[0]], n_predict=1)
         for row in off_rows:
             ms = [up.complete(by_n[row["tokens"]], n_predict=1)["timings"]["prompt_ms"] for _ in range(repeats)]
-            row["upstream_one_window_ms"] = ms
-            row["median_upstream_one_window_ms"] = statistics.median(ms)
-            log(f"bench: upstream, one window of cells, {row['tokens']} tokens: {statistics.median(ms):.0f} ms")
+            row[f"{key}_ms"] = ms
+            row[f"median_{key}_ms"] = statistics.median(ms)
+            log(f"bench: {key.replace('_', ' ')}, {row['tokens']} tokens: {statistics.median(ms):.0f} ms")
 
 
 def against_upstream(rows: list[dict], off_rows: list[dict]) -> list[dict]:
@@ -621,14 +629,15 @@ def markdown(r: dict) -> str:
                         ["tokens", "upstream", "attached, off", "off / upstream"],
                         [[x["tokens"], f"{x['median_upstream_ms']:.0f}", f"{x['median_off_ms']:.0f}",
                           f"{x['off_over_upstream']:.3f}"] for x in r["off_vs_upstream"]])
-        if any("median_upstream_one_window_ms" in x for x in r["off_vs_upstream"]):
-            lines += markdown_table("Upstream's windowed cache: every row (--swa-full, as timed above) against one "
-                                    "window of cells (llama-server's default; medians, ms):",
+        caches = [(x["tokens"], x.get("median_upstream_swa_full_ms", x["median_upstream_ms"]),
+                   x.get("median_upstream_one_window_ms", x["median_upstream_ms"])) for x in r["off_vs_upstream"]
+                  if "median_upstream_one_window_ms" in x or "median_upstream_swa_full_ms" in x]
+        if caches:
+            lines += markdown_table("Upstream's windowed cache: every row (--swa-full) against one window of cells "
+                                    "(llama-server's default); the servers above kept "
+                                    f"{'every row' if r.get('swa_full', True) else 'one window'} (medians, ms):",
                                     ["tokens", "upstream, --swa-full", "upstream, one window", "one window / full"],
-                                    [[x["tokens"], f"{x['median_upstream_ms']:.0f}",
-                                      f"{x['median_upstream_one_window_ms']:.0f}",
-                                      f"{x['median_upstream_one_window_ms'] / x['median_upstream_ms']:.3f}"]
-                                     for x in r["off_vs_upstream"] if "median_upstream_one_window_ms" in x])
+                                    [[n, f"{full:.0f}", f"{one:.0f}", f"{one / full:.3f}"] for n, full, one in caches])
     if r.get("ridgefill_vs_upstream"):
         lines += markdown_table("RidgeFill against the upstream build's stock prefill (medians, ms; the exact arm above runs "
                         "on the RidgeFill server between RidgeFill requests):",

@@ -457,8 +457,11 @@ def serve(model, maps, tail, placement, min_prefix, select, exact_share, budget,
 @click.option("--state-update-us", type=float, default=None,
               help="a hybrid's Gated DeltaNet state update per row and layer on this device, in microseconds "
                    "(tools/gpu/bench-gdn.sh measures it): adds the ceilings that time it")
+@click.option("--swa-full/--one-window", "swa_full", default=True, show_default=True,
+              help="a sliding-window model's servers keep every row of the windowed cache, or one window of cells "
+                   "(llama-server's default); --vs-upstream times upstream with the other too")
 def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label, vs_upstream,
-          selectors, exact_shares, state_update_us) -> None:
+          selectors, exact_shares, state_update_us, swa_full) -> None:
     """Time to first token of MODEL, exact against RidgeFill, side by side on one server; JSON, Markdown, PNG."""
     from .bench import run_bench
 
@@ -466,7 +469,7 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
                        placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
                        threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream,
                        selectors=tuple(selectors), exact_shares=_floats(exact_shares) if exact_shares else (),
-                       state_update_us=state_update_us, log=click.echo)
+                       state_update_us=state_update_us, swa_full=None if swa_full else False, log=click.echo)
     click.echo(Path(result["files"][1]).read_text())
     click.echo("wrote " + ", ".join(result["files"]))
 

@@ -6,6 +6,7 @@
 #       [SELECT=probe,random] [EXACT_SHARES=0.1,0.2,0.3] [STATE_US=1.24] bash tools/gpu/bench-prefill-8b.sh
 # STATE_US: a hybrid's state update per row and layer (tools/gpu/bench-gdn.sh), for the ceilings that time it.
 # SERVER_ARGS: more llama-server flags, e.g. "--ridgefill-recurrent-chunk 512".
+# SWA_FULL=0: a windowed model's servers keep one window of cells (llama-server's default), not every row.
 # SELECT and EXACT_SHARES: issue 8's cost (the selectors beside plain RidgeFill; the line tau(E) and kappa).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,6 +30,7 @@ r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=int(os.environ.get("TAIL",
               selectors=tuple(x for x in os.environ.get("SELECT", "").split(",") if x),
               exact_shares=tuple(float(x) for x in os.environ.get("EXACT_SHARES", "").split(",") if x),
               state_update_us=float(os.environ["STATE_US"]) if os.environ.get("STATE_US") else None,
+              swa_full=False if os.environ.get("SWA_FULL") == "0" else None,
               # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it, and 128K prompts need
               # room for the generated token above 131,072
               extra=("--override-kv", f"{arch}.context_length=int:262144") + (("-b", ub, "-ub", ub) if ub else ())
