@@ -355,6 +355,12 @@ def test_eval_agreement_gives_plumb_zero_kl_and_full_agreement_and_ridge_some_di
     assert r["summary"]["plumb"]["kl"]["mean"] < 1e-4 and r["summary"]["plumb"]["top1"]["mean"] == 1.0
     assert r["summary"]["ridge"]["kl"]["mean"] > 10 * r["summary"]["plumb"]["kl"]["mean"]
     assert (tmp_path / "out" / "summary.md").exists() and (tmp_path / "out" / "summary.png").exists()
+    # which rows ran exactly, per document and arm: ridge the tail (its last row is the stock step after the
+    # prefill) and the special rows
+    for line in (tmp_path / "out" / "documents.jsonl").read_text().splitlines():
+        rows = json.loads(line)["arms"]
+        assert rows["ridge"]["rows"]["n_tail"] == 128 - 1 and rows["ridge"]["rows"]["n_filled"] > 100
+        assert rows["ridge"]["rows"]["n_exact"] == rows["ridge"]["rows"]["n_special"] >= 1
 
 
 def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp_path):

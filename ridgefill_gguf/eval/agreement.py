@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ..util import hardware, save_figure
-from .arms import parse_arms, run_arms
+from .arms import ROW_COUNTS, parse_arms, run_arms
 from .documents import DocumentOptions, append_jsonl, document_mean, load_jsonl, long_documents, write_summary
 
 
@@ -70,7 +70,8 @@ def run_agreement(model: str | Path, maps: str | Path, docs: list[str | Path], o
                 _, forced = sess.follow(logits, len(prompt), len(cont), tokens=cont)
                 kl, top1 = kl_and_top1(exact, forced)
                 row["arms"][arm.name] = {"kl": float(kl.mean()), "top1": float(top1.mean()),
-                                         "first_disagreement": int(np.argmin(top1)) if not top1.all() else None}
+                                         "first_disagreement": int(np.argmin(top1)) if not top1.all() else None,
+                                         "rows": {k: st[k] for k in ROW_COUNTS if k in st}}
                 return st
 
             run_arms(arms, len(prompt), opts.tail, opts.selectors, prefill)
