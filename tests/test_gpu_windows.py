@@ -10,7 +10,7 @@ import pytest
 
 from conftest import require_cuda_builds
 from test_engine_prefill import kl, reference_and_maps, run_engine
-from test_engine_windows import FULL, SPLIT, gemma3  # noqa: F401  (a fixture)
+from test_engine_windows import FULL, LONG, SPLIT, gemma3, gemma3_270m  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.gpu
 
@@ -136,3 +136,28 @@ def test_a_one_window_cache_on_cuda_moves_ridgefills_logits_as_little_as_stocks(
         print(f"{name}: KL {moved:.3g} (stock's {floor:.3g})")
         assert st["ring"][name]["applied"] == 1 and st["ring"][name]["n_exact"] == st["full"][name]["n_exact"]
         assert out["ring"][name].argmax() == out["full"][name].argmax() and moved <= max(10 * floor, 1e-5), name
+
+
+def test_gemma_3_270m_on_cuda_is_upstreams_bytes_with_ridgefill_off_and_plumb_stays_within_the_floor(gemma3_270m,
+                                                                                                      tmp_path):
+    # the real model, carried in pieces (tools/gpu/chunks.sh; RIDGEFILL_GGUF_MODELS=$HOME/ridgefill/models)
+    from ridgefill_gguf import equivalence
+    from ridgefill_gguf.logits import Case
+
+    require_cuda_builds("ridgefill", "upstream")
+    model, maps = gemma3_270m
+    report = equivalence.check(model, [LONG, "short prompt"], n_ctx=2048, decode_steps=3, maps=maps,
+                               n_gpu_layers=-1,
+                               cases=[Case(512, 512, True), Case(512, 512, False), Case(256, 64, True)])
+    bad = [r["key"] for r in report["arrays"] if not r["identical"]]
+    assert report["n_logits"] > 100_000 and not bad, f"arrays differ: {bad}"
+    base = {"tail": 256, "min_prefix": 0}
+    runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": {"fill": "plumb", **base}},
+            {"name": "ridge", "params": {"fill": "ridge", **base}}]
+    session = {"n_gpu_layers": -1, "flash_attn": True, **FULL}
+    arrays, stats = run_engine(model, maps, runs, prompt=LONG, n_ctx=2048, session=session, tmp_path=tmp_path)
+    other, _ = run_engine(model, maps, runs[:1], prompt=LONG, n_ctx=2048, session={**session, "n_ubatch": 64},
+                          tmp_path=tmp_path)
+    floor = kl(arrays["stock"], other["stock"])
+    assert stats["plumb"]["applied"] == 1 and kl(arrays["stock"], arrays["plumb"]) <= max(10 * floor, 1e-5)
+    assert stats["ridge"]["n_fill_skipped"] > 0
