@@ -65,6 +65,38 @@ def test_a_one_window_cache_gives_the_bytes_of_a_cache_that_keeps_every_row(para
         assert st["decode"]["n_fill_skipped"] == st_full["decode"]["n_fill_skipped"]
 
 
+def test_over_a_one_window_cache_probe_rows_reaching_into_the_prefix_see_every_filled_row_they_reach(gemma3,
+                                                                                                      tmp_path):
+    # 64 probe rows over a 40-row tail, and a listed row among them: the probe's rows reach filled rows that the
+    # known rows' chunks passed without reaching. (Where the probe's rows reach into the prefix the two caches'
+    # logits differ in their last bits, with or without that listed row, and did so before patch 0085 too.)
+    require_builds("ridgefill")
+    model, maps = gemma3
+    stock, _ = run_engine(model, maps, [{"name": "stock", "stock": True}], session=ONE_WINDOW, prompt=RING_PROMPT,
+                          n_ctx=RING_CTX, tmp_path=tmp_path)
+    n = len(stock["tokens"])
+    base = {"fill": "ridge", "tail": 40, "min_prefix": 0, "probe": [64, 8], "exact_rows": [n - 50]}
+    runs = [{"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
+    ring, st = run_engine(model, maps, runs, session=ONE_WINDOW, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                          tmp_path=tmp_path)
+    full, st_full = run_engine(model, maps, runs, session=FULL, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                               tmp_path=tmp_path)
+    for name in ("rows", "decode"):
+        assert st[name]["applied"] == 1 and st[name]["n_probe_exact"] == st_full[name]["n_probe_exact"] == 8
+        assert st[name]["n_exact"] == st_full[name]["n_exact"]
+        assert np.abs(ring[name] - full[name]).max() <= 1e-5 * np.abs(full[name]).max(), name
+
+
+def test_a_one_window_cache_unified_over_several_sequences_is_refused_by_name(gemma3, tmp_path):
+    # another sequence's batch between two steps could take a ring cell that a later chunk still reads
+    require_builds("ridgefill")
+    model, maps = gemma3
+    runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 40, "min_prefix": 0}}]
+    _, st = run_engine(model, maps, runs, session={**ONE_WINDOW, "n_seq_max": 2, "kv_unified": True},
+                       prompt=RING_PROMPT, n_ctx=RING_CTX, tmp_path=tmp_path)
+    assert st["ridge"]["applied"] == 0 and "unified over 2 sequences" in st["ridge"]["reason"]
+
+
 def test_with_flash_attention_a_one_window_cache_moves_ridgefills_logits_as_little_as_stocks(gemma3, tmp_path):
     # CPU flash attention rounds differently when the cells come in another order: stock's own logits move too
     require_builds("ridgefill")
