@@ -262,16 +262,16 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
               threads: int | None = None, text: str | None = None, out_dir: str | Path = "results/bench",
               label: str | None = None, min_prefix: int | None = None, extra: tuple[str, ...] = (),
               vs_upstream: bool = False, selectors: tuple[str, ...] = (), exact_shares: tuple[float, ...] = (),
-              state_update_us: float | None = None, swa_full: bool | None = None,
+              state_update_us: float | None = None, swa_full: bool = True,
               log: Callable[[str], None] = print) -> dict:
     """selectors: per length, RidgeFill with each exact-row selector (per request) beside plain RidgeFill.
     exact_shares: per length, RidgeFill with that share of the prefix as random exact rows, for the line
     tau(E) = tau0 + E sigma of paper Appendix H and kappa, an exact prefix row's cost over a tail row's.
     state_update_us: a hybrid's state update per row and layer as tools/gpu/gdn_bench.cpp measured it on this
     device, for the ceilings that time it (add_state_update_ceilings).
-    swa_full: a windowed model's servers keep every row of the windowed cache (--swa-full; the default) or one
-    window of cells (False: llama-server's default, where RidgeFill reuses them as a ring); with vs_upstream the
-    upstream server is also timed with the other cache."""
+    swa_full: a windowed model's servers keep every row of the windowed cache (--swa-full) or one window of cells
+    (False: llama-server's default, where RidgeFill reuses them as a ring); with vs_upstream the upstream server is
+    also timed with the other cache."""
     shape = ModelShape.from_gguf(model)
     split = int(read_gguf(maps).get("ridgefill.split"))
     n_max = max(lengths)
@@ -283,7 +283,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
     # a windowed model's servers all keep the same windowed cache, so that they prefill over the same cells
     windowed = model_window(model) > 0
     common = dict(n_ctx=n_max + 64, threads=threads, n_gpu_layers=n_gpu_layers, extra=extra,
-                  swa_full=(swa_full is not False) if windowed else None)
+                  swa_full=swa_full if windowed else None)
 
     def save(partial: bool) -> dict:
         """Written after every length, so a run cut short keeps what it measured."""

@@ -469,7 +469,7 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
                        placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
                        threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream,
                        selectors=tuple(selectors), exact_shares=_floats(exact_shares) if exact_shares else (),
-                       state_update_us=state_update_us, swa_full=None if swa_full else False, log=click.echo)
+                       state_update_us=state_update_us, swa_full=swa_full, log=click.echo)
     click.echo(Path(result["files"][1]).read_text())
     click.echo("wrote " + ", ".join(result["files"]))
 

@@ -30,7 +30,7 @@ r = run_bench(sys.argv[1], sys.argv[2], lengths, tail=int(os.environ.get("TAIL",
               selectors=tuple(x for x in os.environ.get("SELECT", "").split(",") if x),
               exact_shares=tuple(float(x) for x in os.environ.get("EXACT_SHARES", "").split(",") if x),
               state_update_us=float(os.environ["STATE_US"]) if os.environ.get("STATE_US") else None,
-              swa_full=False if os.environ.get("SWA_FULL") == "0" else None,
+              swa_full=os.environ.get("SWA_FULL") != "0",
               # the random model says 40,960 tokens like Qwen3-8B; speed does not depend on it, and 128K prompts need
               # room for the generated token above 131,072
               extra=("--override-kv", f"{arch}.context_length=int:262144") + (("-b", ub, "-ub", ub) if ub else ())
