@@ -704,17 +704,20 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 @_selector_options
 @click.option("--format", "fmt", type=click.Choice(["auto", "chat", "completion"]), default="auto",
               show_default=True, help="auto: chat when the model has a chat template")
+@click.option("--exact-only-follow-up/--no-exact-only-follow-up", default=False, show_default=True,
+              help="also ask the follow-up as llama-server's --ridgefill-reuse exact-only serves it: a fresh "
+                   "RidgeFill prefill of the conversation instead of the cache the first answer left")
 @click.option("--seed", default=0, show_default=True)
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
 def eval_facts(model, maps, out_dir, docs, lengths, samples, tails, arms, exact_share, budget, whole_numbers,
-               probe_share, probe_rows, query_rows, fmt, seed, threads, n_gpu_layers) -> None:
+               probe_share, probe_rows, query_rows, fmt, exact_only_follow_up, seed, threads, n_gpu_layers) -> None:
     """Facts in real text asked in other words, then a follow-up about another fact over the reused cache."""
     from .eval.facts import FactOptions, run_facts
 
     opts = FactOptions(docs=tuple(docs), lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                        arms=_arms(arms, selectors=True, follows=True), fmt=fmt, seed=seed, threads=threads,
-                       n_gpu_layers=n_gpu_layers,
+                       n_gpu_layers=n_gpu_layers, exact_only_follow_up=exact_only_follow_up,
                        selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
                                             seed))
     _run_instrument(run_facts, model, list(maps), out_dir, opts, out_dir=out_dir)

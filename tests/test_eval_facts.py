@@ -30,11 +30,16 @@ def test_a_fact_is_answered_when_its_digits_appear_in_the_prediction():
     assert F.answered(" 174 dollars", "1742") == 0.0
 
 
-def test_eval_facts_asks_both_questions_over_the_reused_cache_and_plumb_answers_as_exact(tmp_path):
+def model_maps_and_code_docs(tmp_path):
+    """A tiny qwen3 with random maps, and one standard-library module as the documents."""
     require_builds("ridgefill")
-    model, maps = tiny_qwen3_with_random_maps(tmp_path)
     (tmp_path / "docs" / "code").mkdir(parents=True)
     (tmp_path / "docs" / "code" / "textwrap.py.txt").write_text(Path(textwrap.__file__).read_text())
+    return tiny_qwen3_with_random_maps(tmp_path)
+
+
+def test_eval_facts_asks_both_questions_over_the_reused_cache_and_plumb_answers_as_exact(tmp_path):
+    model, maps = model_maps_and_code_docs(tmp_path)
     opts = F.FactOptions(docs=(str(tmp_path / "docs"),), lengths=(900,), samples=2, tails=(128,),
                          arms=("plumb", "ridge", "ridge+probe", "ridge+random:probe"), fmt="completion", threads=2,
                          flash_attn=False)
@@ -60,3 +65,28 @@ def test_eval_facts_asks_both_questions_over_the_reused_cache_and_plumb_answers_
     assert set(t) == {"first", "follow_up"} and t["first"]["arms"]["plumb"]["delta"]["mean"] in (0.0, None)
     assert (tmp_path / "out" / "summary.png").exists()
     assert "| S1-T128 | follow_up |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_the_exact_only_follow_up_prefills_the_conversation_afresh_and_a_resumed_run_adds_it(tmp_path):
+    model, maps = model_maps_and_code_docs(tmp_path)
+    opts = F.FactOptions(docs=(str(tmp_path / "docs"),), lengths=(900,), samples=1, tails=(128,),
+                         arms=("plumb", "ridge+probe"), fmt="completion", threads=2, flash_attn=False)
+    first = F.run_facts(model, [maps], tmp_path / "out", opts, log=lambda _: None)
+    assert set(first["configs"]["S1-T128"]["turns"]) == {"first", "follow_up"}
+    opts.exact_only_follow_up = True
+    r = F.run_facts(model, [maps], tmp_path / "out", opts, log=lambda _: None)
+    sample = json.loads((tmp_path / "out" / "samples.jsonl").read_text().splitlines()[0])
+    answers = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    by = {a["arm"]: a for a in answers}  # the resumed run's rows come last
+    assert len(answers) == 6 and all("score_follow_up_exact_only" in by[a] for a in ("exact", "plumb", "ridge+probe"))
+    exact, plumb, probe = by["exact"], by["plumb"], by["ridge+probe"]
+    assert exact["pred_follow_up_exact_only"] == exact["pred_follow_up"]  # a stock cache is exact: all of it stays
+    assert plumb["pred_follow_up_exact_only"] == exact["pred_follow_up"]
+    # the whole conversation was prefilled again, not only the rows after the first answer
+    assert probe["stats_exact_only"]["applied"] == 1
+    again = probe["stats_exact_only"]
+    assert again["n_filled"] + again["n_exact"] + again["n_tail"] > probe["reused"] > probe["stats"]["n_tail"]
+    for f, m in zip(sample["facts"], probe["mechanisms_exact_only"]):
+        assert sum(m.values()) == f["rows"][1] - f["rows"][0]
+    assert set(r["configs"]["S1-T128"]["turns"]) == {"first", "follow_up", "follow_up_exact_only"}
+    assert "| S1-T128 | follow_up_exact_only |" in (tmp_path / "out" / "summary.md").read_text()

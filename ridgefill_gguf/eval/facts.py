@@ -221,6 +221,14 @@ class FactOptions:
     n_gpu_layers: int = 0
     flash_attn: bool = True
     selectors: SelectorOptions = field(default_factory=SelectorOptions)
+    # the follow-up also as llama-server's --ridgefill-reuse exact-only serves it: a fresh RidgeFill prefill of the
+    # whole conversation, so the probe ranks the rows for the new question
+    exact_only_follow_up: bool = False
+
+
+# the questions a summary reports: (turn, the answer's score field, the fact asked, the mechanisms' field)
+TURNS = (("first", "score", "asked", "mechanisms"), ("follow_up", "score_follow_up", "follow_up", "mechanisms"),
+         ("follow_up_exact_only", "score_follow_up_exact_only", "follow_up", "mechanisms_exact_only"))
 
 
 def mechanism_counts(rows: list[int], st: dict, first_tail: int, lexical: set[int], digits: set[int],
@@ -281,7 +289,8 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
     fmt = opts.fmt if opts.fmt != "auto" else ("chat" if sess.chat_template() else "completion")
     builder = FactPromptBuilder(lambda t: sess.tokenize(t, special=True), sess.apply_chat if fmt == "chat" else None)
 
-    def converse(sample: FactSample, tokens: list[int], document: str, params: dict | None) -> dict:
+    def first_turn(sample: FactSample, tokens: list[int], document: str, params: dict | None) -> tuple[dict, dict]:
+        """Both questions, the follow-up over the cache the first answer left: (answers, the prefill's stats)."""
         if params is None:
             logits, _ = sess.stock(tokens)
             st = {}
@@ -295,7 +304,33 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
         logits2, reused = sess.extend(cached, tokens2)
         pred2 = sess.detokenize(sess.greedy(logits2, len(tokens2), MAX_NEW))
         return {"pred": pred1, "pred_follow_up": pred2, "reused": reused, "score": answered(pred1, f1["answer"]),
-                "score_follow_up": answered(pred2, f2["answer"]), "stats": st}
+                "score_follow_up": answered(pred2, f2["answer"])}, st
+
+    def exact_only_turn(sample: FactSample, document: str, r: dict, params: dict | None):
+        """The follow-up after the first answer r["pred"] as --ridgefill-reuse exact-only serves it: (answers, the
+        fresh prefill's stats, its tokens); a stock prefill's cache is exact, so exact-only reuse keeps all of it."""
+        if params is None:
+            return {"pred_follow_up_exact_only": r["pred_follow_up"],
+                    "score_follow_up_exact_only": r["score_follow_up"]}, None, None
+        f1, f2 = sample.facts[sample.asked], sample.facts[sample.follow_up]
+        tokens2 = sess.tokenize(builder.follow_up(document, f1["question"], r["pred"], f2["question"]), special=True)
+        logits, _, st = sess.ridgefill(tokens2, **params)
+        pred = sess.detokenize(sess.greedy(logits, len(tokens2), MAX_NEW))
+        return {"pred_follow_up_exact_only": pred, "score_follow_up_exact_only": answered(pred, f2["answer"])}, st, \
+            tokens2
+
+    def fact_rows(sample: FactSample, tokens: list[int], st: dict) -> list[dict]:
+        """What kept each fact's rows exact in a prefill of tokens that RidgeFill applied to."""
+        pieces, breaks = prompt_pieces(sess.llama_cpp, sess.llm.model, tokens[:-1])
+        prefix = len(tokens) - 1 - st["n_tail"]
+        lexical = set(rules.lexical_rows(pieces, breaks, prefix))
+        digits = set(rules.digit_rows(pieces, breaks, prefix))
+        special = {0} | {i for i, b in enumerate(breaks) if b}
+        return [mechanism_counts(f["rows"], st, prefix, lexical, digits, special) for f in sample.facts]
+
+    def kept_stats(st: dict) -> dict:
+        return {k: st[k] for k in ("applied", "n_filled", "n_exact", "n_tail", "n_probe_exact", "n_lexical",
+                                   "n_whole_numbers", "n_budget", "reason") if k in st}
 
     samples: list[FactSample] = []
     try:
@@ -304,7 +339,6 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
                 name, dom, text = docs[index % len(docs)]
                 sample, tokens, document = builder.build(name, dom, text, length, index, opts.seed)
                 samples.append(sample)
-                pieces, breaks = prompt_pieces(sess.llama_cpp, sess.llm.model, tokens[:-1])
                 jobs = [("exact", None, None, None)] + [
                     (f"S{split}-T{tail}", m, tail, arm) for m, split in splits.items() for tail in opts.tails
                     for arm in arms]
@@ -312,24 +346,28 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
                 marks = []
                 for config, m, tail, arm in jobs:
                     key = (sample.sample_id, config, "exact" if arm is None else arm.name)
-                    if key not in done:
+                    # a run resumed with the exact-only follow-up adds it to the answers it has
+                    add = opts.exact_only_follow_up and "score_follow_up_exact_only" not in done.get(key, {})
+                    if key not in done or add:
                         params = None
                         if arm is not None:
                             sess.attach(m)
                             params = {**arm_params(arm, len(tokens), tail, opts.selectors, counts.get(config, {})),
                                       "tail": tail, "min_prefix": 0}
-                        r = converse(sample, tokens, document, params)
-                        st = r.pop("stats")
-                        if st.get("applied"):
-                            prefix = len(tokens) - 1 - st["n_tail"]
-                            lexical = set(rules.lexical_rows(pieces, breaks, prefix))
-                            digits = set(rules.digit_rows(pieces, breaks, prefix))
-                            special = {0} | {i for i, b in enumerate(breaks) if b}
-                            r["mechanisms"] = [mechanism_counts(f["rows"], st, prefix, lexical, digits, special)
-                                               for f in sample.facts]
-                        r["stats"] = {k: st[k] for k in ("applied", "n_filled", "n_exact", "n_tail", "n_probe_exact",
-                                                         "n_lexical", "n_whole_numbers", "n_budget", "reason")
-                                      if k in st}
+                        if key in done:
+                            r = dict(done[key])
+                        else:
+                            r, st = first_turn(sample, tokens, document, params)
+                            if st.get("applied"):
+                                r["mechanisms"] = fact_rows(sample, tokens, st)
+                            r["stats"] = kept_stats(st)
+                        if add:
+                            fields, st, tokens2 = exact_only_turn(sample, document, r, params)
+                            r.update(fields)
+                            if st is not None:
+                                if st.get("applied"):
+                                    r["mechanisms_exact_only"] = fact_rows(sample, tokens2, st)
+                                r["stats_exact_only"] = kept_stats(st)
                         r.update(sample=sample.sample_id, config=config, arm=key[2])
                         append_jsonl(results_path, r)
                         done[key] = r
@@ -371,7 +409,9 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
         for tail in opts.tails:
             name = f"S{split}-T{tail}"
             table = {}
-            for turn, field, fact in (("first", "score", "asked"), ("follow_up", "score_follow_up", "follow_up")):
+            for turn, field, fact, mech_field in TURNS:
+                if turn == "follow_up_exact_only" and not opts.exact_only_follow_up:
+                    continue
                 usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
                           and (s.sample_id, "exact", "exact") in by]
                 exact = [by[(s.sample_id, "exact", "exact")][field] for s in usable]
@@ -381,7 +421,7 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                     rows = [by[(s.sample_id, name, arm)] for s in got]
                     mech = dict.fromkeys(MECHANISMS, 0)
                     for s, r in zip(got, rows):
-                        for k, v in (r.get("mechanisms") or [{}] * len(s.facts))[getattr(s, fact)].items():
+                        for k, v in (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)].items():
                             mech[k] += v
                     arms[arm] = {"accuracy": mean_or_none([r[field] for r in rows]), "samples": len(rows),
                                  "delta": bootstrap_mean([r[field] - by[(s.sample_id, "exact", "exact")][field]
@@ -406,8 +446,10 @@ def markdown(result: dict) -> str:
              f"({', '.join(result['domains'])}); "
              f"{result['format']} prompts; seed {o['seed']}. Accuracy in % on the samples whose asked fact lies "
              "before the tail; Δ = arm minus exact, paired [95% bootstrap interval]. The follow-up asks another fact "
-             "over the cache the first answer left. Fact rows: what kept the asked fact's rows exact in the first "
-             "prefill (tail / special / lexical net / digit: probe or whole number / other selected / filled).", "",
+             "over the cache the first answer left; follow_up_exact_only asks it as llama-server's --ridgefill-reuse "
+             "exact-only serves it, a fresh RidgeFill prefill of the conversation. Fact rows: what kept the asked "
+             "fact's rows exact in the prefill the answer read (tail / special / lexical net / digit: probe or whole "
+             "number / other selected / filled).", "",
              "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/d/sel/filled |",
              "|---|---|---|---|---|---|---|---|"]
     for name, c in result["configs"].items():
@@ -434,9 +476,12 @@ def plot(result: dict, path) -> None:
     configs = list(result["configs"].items())
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False)
     for ax, (name, c) in zip(axes[0], configs):
-        for i, turn in enumerate(("first", "follow_up")):
+        turns = list(c["turns"])
+        width = 0.8 / len(turns)
+        for i, turn in enumerate(turns):
             ys = [100 * (c["turns"][turn]["arms"][a]["accuracy"] or 0) for a in arms]
-            ax.bar([k + (i - 0.5) * 0.4 for k in range(len(arms))], ys, 0.4, label=turn.replace("_", "-"))
+            ax.bar([k + (i - (len(turns) - 1) / 2) * width for k in range(len(arms))], ys, width,
+                   label=turn.replace("_", "-"))
         ax.set_xticks(range(len(arms)), arms, rotation=20, fontsize=8)
         ax.set_ylim(0, 105)
         ax.set_ylabel("facts answered (%)")
