@@ -519,7 +519,8 @@ def _run_instrument(run, *args, out_dir: Path) -> None:
         run(*args, log=click.echo)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    click.echo((out_dir / "summary.md").read_text())
+    summary = out_dir / "summary.md"
+    click.echo(summary.read_text() if summary.exists() else f"no summary in {out_dir} yet (a shard writes none)")
 
 
 def _selector_options(f):
@@ -708,16 +709,20 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
               help="also ask the follow-up as llama-server's --ridgefill-reuse exact-only serves it: a fresh "
                    "RidgeFill prefill of the conversation instead of the cache the first answer left")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--shard", default="0/1", show_default=True,
+              help="I/N: only the samples whose index is I modulo N, for runs side by side in one folder; a whole "
+                   "run (0/1) afterwards answers what they left and writes the summary")
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
 def eval_facts(model, maps, out_dir, docs, lengths, samples, tails, arms, exact_share, budget, whole_numbers,
-               probe_share, probe_rows, query_rows, fmt, exact_only_follow_up, seed, threads, n_gpu_layers) -> None:
+               probe_share, probe_rows, query_rows, fmt, exact_only_follow_up, seed, shard, threads,
+               n_gpu_layers) -> None:
     """Facts in real text asked in other words, then a follow-up about another fact over the reused cache."""
     from .eval.facts import FactOptions, run_facts
 
     opts = FactOptions(docs=tuple(docs), lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                        arms=_arms(arms, selectors=True, follows=True), fmt=fmt, seed=seed, threads=threads,
-                       n_gpu_layers=n_gpu_layers, exact_only_follow_up=exact_only_follow_up,
+                       n_gpu_layers=n_gpu_layers, exact_only_follow_up=exact_only_follow_up, shard=_shard(shard),
                        selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
                                             seed))
     _run_instrument(run_facts, model, list(maps), out_dir, opts, out_dir=out_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 from conftest import require_builds, tiny_qwen3_with_random_maps
@@ -90,3 +91,18 @@ def test_the_exact_only_follow_up_prefills_the_conversation_afresh_and_a_resumed
         assert sum(m.values()) == f["rows"][1] - f["rows"][0]
     assert set(r["configs"]["S1-T128"]["turns"]) == {"first", "follow_up", "follow_up_exact_only"}
     assert "| S1-T128 | follow_up_exact_only |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_facts_shards_answer_their_own_samples_and_a_whole_run_after_them_only_summarizes(tmp_path):
+    model, maps = model_maps_and_code_docs(tmp_path)
+    opts = F.FactOptions(docs=(str(tmp_path / "docs"),), lengths=(600,), samples=3, tails=(128,), arms=("ridge",),
+                         fmt="completion", threads=2, flash_attn=False)
+    out = tmp_path / "out"
+    for i in range(2):
+        F.run_facts(model, [maps], out, replace(opts, shard=(i, 2)), log=lambda _: None)
+    assert not (out / "summary.json").exists()
+    answers = (out / "results.jsonl").read_text().splitlines()
+    assert sorted({json.loads(a)["sample"] for a in answers}) == [f"code-600-{i}" for i in range(3)]
+    r = F.run_facts(model, [maps], out, opts, log=lambda _: None)
+    assert (out / "results.jsonl").read_text().splitlines() == answers  # nothing asked again
+    assert r["n_samples"] == 3 and (out / "summary.md").exists()

@@ -224,6 +224,9 @@ class FactOptions:
     # the follow-up also as llama-server's --ridgefill-reuse exact-only serves it: a fresh RidgeFill prefill of the
     # whole conversation, so the probe ranks the rows for the new question
     exact_only_follow_up: bool = False
+    # (i, n): only the samples whose index is i modulo n, for runs side by side in one folder; they write no
+    # summary, and a whole run (0, 1) afterwards answers what they left and writes it
+    shard: tuple[int, int] = (0, 1)
 
 
 # the questions a summary reports: (turn, the answer's score field, the fact asked, the mechanisms' field)
@@ -333,9 +336,11 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
                                    "n_whole_numbers", "n_budget", "reason") if k in st}
 
     samples: list[FactSample] = []
+    whole = opts.shard == (0, 1)
+    result: dict = {}
     try:
         for length in opts.lengths:
-            for index in range(opts.samples):
+            for index in range(opts.shard[0], opts.samples, opts.shard[1]):
                 name, dom, text = docs[index % len(docs)]
                 sample, tokens, document = builder.build(name, dom, text, length, index, opts.seed)
                 samples.append(sample)
@@ -376,9 +381,11 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
                     marks.append(f"{key[1]} {key[2]} {done[key]['score']:.0f}/{done[key]['score_follow_up']:.0f}")
                 log(f"eval facts: sample {len(samples)}/{len(opts.lengths) * opts.samples} ({sample.domain}, "
                     f"{sample.n_tokens} tokens): " + ", ".join(marks))
-                write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(s.__dict__) + "\n" for s in samples))
-                # the summary so far, so that a run a deadline cuts still has one
-                result = write_facts_summary(out_dir, samples, list(done.values()), model, maps, splits, opts, fmt)
+                if whole:
+                    write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(s.__dict__) + "\n" for s in samples))
+                    # the summary so far, so that a run a deadline cuts still has one
+                    result = write_facts_summary(out_dir, samples, list(done.values()), model, maps, splits, opts,
+                                                 fmt)
     finally:
         sess.close()
     return result

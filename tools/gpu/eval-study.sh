@@ -2,9 +2,11 @@
 # On the GPU machine: the first quality study of issue 6 (docs/eval.md), after the models arrived
 # (tools/gpu/chunks.sh) and the patched tree is built (RIDGEFILL_GPU_TREES=ridgefill TARGETS="llama ggml"
 # bash tools/gpu/build-and-test.sh --build-only). Carry .cache/device/maps and .cache/device/corpus-eval too.
-#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors|claim|setup ...]
+#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors|claim|facts|setup ...]
 # selectors is issue 8's study: at the middle split and T = 1024, the needles with the exact-row arms (at least 50
-# filled-region samples) and the loss on key tokens beside them.
+# filled-region samples) and the loss on key tokens beside them. facts is issue 22's: facts asked in other words and
+# a follow-up, over the reused cache and as --ridgefill-reuse exact-only serves it, at the middle split and
+# T = 1024 (SHARDS side by side as for claim; FACT_LENGTHS the prompt lengths).
 # Results accumulate under $HOME/ridgefill/study (every instrument resumes) and come back as $OUT/study.tgz at the
 # end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier call
 # are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the start of
@@ -42,10 +44,12 @@ step() {
 case "$which" in
 smollm2)
     model="$work/models/SmolLM2-135M-Instruct.Q4_1.gguf"; splits="11 15 19"; prefix=smollm2
-    lengths=4096,8192; tails="1024 4096"; doc_max=8192; mid=15; select_samples=10; claim_samples=70 ;;
+    lengths=4096,8192; tails="1024 4096"; doc_max=8192; mid=15; select_samples=10; claim_samples=70
+    fact_lengths=4096; fact_samples=400 ;;
 qwen)
     model="$work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"; splits="9 12 15"; prefix=qwen
-    lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6; claim_samples=20 ;;
+    lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6; claim_samples=20
+    fact_lengths=4096; fact_samples=400 ;;
 *) echo "eval-study: smollm2 or qwen" >&2; exit 2 ;;
 esac
 splits=${SPLITS:-$splits} tails=${TAILS:-$tails} lengths=${LENGTHS:-$lengths}  # subsets when time is short
@@ -93,6 +97,22 @@ for inst in $instruments; do
         touch "$work/.claim-start"
         RESERVE=40 step "${claim[@]}"
         [ "$out/summary.json" -nt "$work/.claim-start" ] || RESERVE=5 step "${claim[@]}" --summary-only ;;
+    facts)
+        # SmolLM2 and Qwen answer about two thirds of these facts exactly, and a 2-point bound on a paired
+        # difference needs a few hundred filled-region samples
+        out="$study/facts-$which-S$mid-T1024${TAG:+-$TAG}"
+        facts=(facts "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail 1024
+               --lengths "${FACT_LENGTHS:-$fact_lengths}" --samples "${SAMPLES:-$fact_samples}" --out "$out" -ngl 99
+               --arms "${ARMS:-ridge,ridge+probe,ridge+random:probe,ridge+blind-probe,ridge+protected}"
+               --exact-only-follow-up ${BUDGET:+--budget "$BUDGET"})
+        shards=${SHARDS:-1}
+        if [ "$shards" -gt 1 ]; then
+            for i in $(seq 0 $((shards - 1))); do
+                RESERVE=40 STEP_LINES=3 step "${facts[@]}" --shard "$i/$shards" &
+            done
+            wait
+        fi
+        RESERVE=5 step "${facts[@]}" ;;
     setup) ;;  # only the copies above (study-parallel.sh makes them once before its runs start)
     nll|agreement)
         for s in $splits; do for t in $tails; do
