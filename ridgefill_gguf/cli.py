@@ -476,6 +476,35 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
 
 @main.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--maps", "maps", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
+              help="maps file(s); each gives a split to consider (repeatable)")
+@click.option("--tokens", default="32k", show_default=True, help="the prompt length you serve (32k = 32768)")
+@click.option("--margin", default=2.0, show_default=True,
+              help="points of filled-region retrieval you accept to lose (against the one-sided 95% bound)")
+@click.option("--tail", "tails", multiple=True, type=int, default=(1024,), show_default=True,
+              help="exact tail T to consider (repeatable)")
+@click.option("--measure-tokens", default="4k", show_default=True,
+              help="the length of the short measurement on this machine")
+@click.option("--quality", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="an eval report study.json (your own measurement) instead of the committed studies")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/advise"),
+              show_default=True)
+@click.option("-ngl", "--n-gpu-layers", type=int, default=None)
+@click.option("-t", "--threads", type=int, default=None)
+def advise(model, maps, tokens, margin, tails, measure_tokens, quality, out_dir, n_gpu_layers, threads) -> None:
+    """Which split, tail and selector to serve MODEL with for a quality margin: speed measured here, quality from
+    the committed studies (or --quality)."""
+    from . import advise as A
+
+    (n_tokens,), (n_measure,) = _ints(tokens, "--tokens"), _ints(measure_tokens, "--measure-tokens")
+    curves = A.load_curves()["models"] if quality is None else A.curves_of_file(quality)
+    A.advise(model, list(maps), tokens=n_tokens, margin=margin / 100, tails=tuple(tails), measure_tokens=n_measure,
+             curves=curves, out_dir=out_dir, threads=threads, n_gpu_layers=n_gpu_layers, log=click.echo)
+    click.echo((out_dir / "advice.md").read_text())
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--maps", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--lengths", "--tokens", "lengths", default="8k", show_default=True,
               help="the long request's prompt lengths, comma-separated (16k = 16384)")

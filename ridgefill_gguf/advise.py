@@ -1,0 +1,234 @@
+"""advise: which split, tail and exact-row selector to serve a model with, for a quality margin the user names.
+
+Quality comes from the committed studies (`eval report`'s study.json, condensed into data/quality.json by
+tools/quality_curves.py): per model, split, tail and arm, the filled-region retrieval difference from exact and its
+one-sided 95% lower bound. Speed comes from a short measurement on this machine (`bench` through llama-server at a
+modest length, plain RidgeFill and the default selector), carried to the length the user serves by the MAC ceiling:
+the share of its ceiling a configuration reached here, times its ceiling there."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .bench import mac_ceiling
+from .eval.needles import TASKS as NEEDLE_TASKS
+from .random_gguf import ModelShape
+
+PACKAGED = Path(__file__).parent / "data" / "quality.json"
+# the arms advise chooses among, as eval names them, with the selector a request names
+ARMS = {"ridge": None, "ridge+probe": "probe"}
+# the default selector's settings; a committed run made with others says nothing about the default
+DEFAULT_PROBE = {"budget": 1.0, "whole_numbers": True, "probe_rows": 256, "probe_share": None}
+
+
+@dataclass
+class Candidate:
+    split: int
+    tail: int
+    arm: str
+    quality: dict | None = None   # needles: n, mean, bound (fractions), holds, run
+    speed: dict | None = None     # measured here and carried to the served length
+    notes: list[str] = field(default_factory=list)
+
+
+def signature(model) -> dict:
+    """What identifies a model's weights well enough to reuse another run's quality: its name and shape."""
+    from .gguf_io import read_gguf
+
+    s = ModelShape.from_gguf(model)
+    name = read_gguf(model).get("general.name")
+    return {"file": Path(model).name, "name": name, "arch": s.arch, "n_layer": s.n_layer, "n_embd": s.n_embd}
+
+
+# --- the committed quality -------------------------------------------------------------------------------------
+
+def run_settings(run_dir: Path) -> tuple[dict | None, list[str] | None]:
+    """The selector settings and needle tasks a needles run used, from its summary (None where it does not say). A
+    run from before whole numbers existed ran without them."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None, None
+    opts = json.loads(path.read_text()).get("options") or {}
+    sel = opts.get("selectors")
+    if sel is None:
+        return None, opts.get("tasks")
+    return {**{k: sel.get(k) for k in DEFAULT_PROBE}, "whole_numbers": sel.get("whole_numbers", False)}, \
+        opts.get("tasks")
+
+
+def curves_from_reports(reports: list[Path], root: Path, signatures: dict[str, dict]) -> dict:
+    """{model file: {"signature": ..., "needles": [entry]}} from eval report study.json files; an entry is one
+    (split, tail, arm) of one run: n, mean, bound and whether it holds a 2-point margin, with the probe's settings
+    read from the run's own summary (paths relative to root)."""
+    out: dict = {}
+    for report in reports:
+        for model, study in json.loads(Path(report).read_text()).items():
+            entries = out.setdefault(model, {"signature": signatures.get(model), "needles": []})["needles"]
+            for run in study.get("needles", []):
+                settings, tasks = run_settings(root / run["path"])
+                for arm, ni in sorted(run.get("noninferiority", {}).items()):
+                    entries.append({"split": run["split"], "tail": run["tail"], "arm": arm,
+                                    "probe": settings if ARMS.get(arm) else None, "tasks": tasks,
+                                    "lengths": run["lengths"],
+                                    "n": ni["n"], "mean": round(ni["delta"]["mean"], 6),
+                                    "bound": round(ni["bound"], 6), "run": run["path"]})
+    for m in out.values():
+        m["needles"].sort(key=lambda e: (e["split"], e["tail"], e["arm"], e["run"]))
+    return out
+
+
+def load_curves(path: Path = PACKAGED) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def curves_of_file(path: Path) -> dict:
+    """The models' curves from a quality.json, or from an eval report's study.json (its runs' paths as the report
+    wrote them, from here)."""
+    data = json.loads(Path(path).read_text())
+    return data["models"] if "models" in data else curves_from_reports([Path(path)], Path.cwd(), {})
+
+
+def curves_for(curves: dict, sig: dict) -> tuple[str | None, list[dict]]:
+    """The committed entries of the model with this signature: matched by shape and name, or by file name."""
+    for model, c in curves.items():
+        s = c.get("signature") or {}
+        same_shape = s and all(s.get(k) == sig[k] for k in ("arch", "n_layer", "n_embd", "name"))
+        if same_shape or model == sig["file"]:
+            return model, c["needles"]
+    return None, []
+
+
+def quality_of(entries: list[dict], split: int, tail: int, arm: str) -> dict | None:
+    """The committed retrieval of one configuration with the default selector's settings: the run with the most
+    samples."""
+    ok = [e for e in entries if (e["split"], e["tail"], e["arm"]) == (split, tail, arm)
+          and (ARMS[arm] is None or e["probe"] == DEFAULT_PROBE) and e["tasks"] == list(NEEDLE_TASKS)]
+    return max(ok, key=lambda e: e["n"], default=None)
+
+
+# --- speed -----------------------------------------------------------------------------------------------------
+
+def carried_speed(shape: ModelShape, split: int, tail: int, tokens: int, measured: dict) -> dict:
+    """A configuration's speedup at `tokens` from its share of the MAC ceiling at the measured length. The exact
+    rows keep the share of the prefix they had here; a windowed model's skipped fills are not counted (a lower
+    ceiling)."""
+    prefix = max(tokens - tail, 1)
+    exact = int(round(measured["exact_share"] * prefix))
+    ceiling = mac_ceiling(shape, tokens, split, prefix - exact, exact + tail, tail,
+                          n_probe=measured.get("probe_rows", 0))
+    return {"tokens": tokens, "ceiling_macs": round(ceiling, 4),
+            "speedup": round(measured["share_of_ceiling"] * ceiling, 3)}
+
+
+def measured_speeds(bench: dict) -> dict[str, dict]:
+    """{arm: what the bench measured} for plain RidgeFill and the default selector."""
+    row = bench["rows"][0]
+    out = {"ridge": {"speedup": row["speedup"], "share_of_ceiling": row["share_of_ceiling"],
+                     "ceiling_macs": row["ceiling_macs"], "exact_share": 0.0, "ms": row["median_ridgefill_ms"],
+                     "stock_ms": row["median_exact_ms"]}}
+    for s in bench["selectors"]:
+        if s["selector"] == "probe":
+            out["ridge+probe"] = {"speedup": s["speedup_vs_exact"], "share_of_ceiling": s["share_of_ceiling"],
+                                  "ceiling_macs": s["ceiling_macs"], "exact_share": s["selected"] / s["prefix"],
+                                  "probe_rows": s["probe_rows"], "ms": s["median_ms"],
+                                  "stock_ms": row["median_exact_ms"]}
+    return out
+
+
+# --- the advice ------------------------------------------------------------------------------------------------
+
+def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None, str]:
+    """The fastest configuration (at the served length) whose committed retrieval bound holds the margin and that
+    is faster than the stock prefill there; else None and why."""
+    ok = [c for c in candidates if c.quality and c.quality["bound"] >= -margin]
+    faster = [c for c in ok if c.speed["at_tokens"]["speedup"] > 1.0]
+    if faster:
+        return max(faster, key=lambda c: c.speed["at_tokens"]["speedup"]), ""
+    if ok:
+        return None, ("the configurations within the margin are not faster than the stock prefill at this length "
+                      "on this machine: serve the stock prefill")
+    return None, ("no configuration has a committed retrieval bound within the margin: serve the stock prefill, "
+                  "or measure this model's quality (eval needles, eval facts, eval report) and ask again with "
+                  "--quality")
+
+
+def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, ...], measure_tokens: int,
+           curves: dict, out_dir: Path, threads: int | None = None, n_gpu_layers: int | None = None,
+           measure: Callable | None = None, log: Callable[[str], None] = print) -> dict:
+    """Measure each maps file's split at each tail here, join the committed quality, choose, and write
+    advice.json and advice.md under out_dir. measure(maps, tail) -> a bench result (tests pass their own)."""
+    from .bench import run_bench
+    from .gguf_io import read_gguf
+    from .util import hardware, write_atomic
+
+    if min(tails) < 1 or measure_tokens < max(tails) + 512 or tokens <= max(tails):
+        raise ValueError(f"--measure-tokens ({measure_tokens}) must exceed the largest tail ({max(tails)}) by 512 "
+                         f"and --tokens ({tokens}) must exceed it, so that a prefix is left to fill")
+    out_dir = Path(out_dir)
+    sig = signature(model)
+    shape = ModelShape.from_gguf(model)
+    matched, entries = curves_for(curves, sig)
+    if matched is None:
+        log(f"advise: no committed quality for {sig['file']} ({sig['name']}, {sig['arch']}, {sig['n_layer']} "
+            "layers): the speeds below are measured, the quality is not; measure it with eval needles and eval facts")
+    measure = measure or (lambda m, t: run_bench(
+        model, m, [measure_tokens], tail=t, repeats=1, selectors=("probe",), threads=threads,
+        n_gpu_layers=n_gpu_layers, out_dir=out_dir / "bench", log=log))
+    candidates = []
+    for m in maps:
+        split = int(read_gguf(m).get("ridgefill.split"))
+        for tail in tails:
+            log(f"advise: measuring split {split}, tail {tail} at {measure_tokens} tokens")
+            speeds = measured_speeds(measure(m, tail))
+            for arm, sp in speeds.items():
+                c = Candidate(split, tail, arm, quality_of(entries, split, tail, arm))
+                c.speed = {"measured": sp, "at_tokens": carried_speed(shape, split, tail, tokens, sp)}
+                if c.quality is None:
+                    c.notes.append("no committed retrieval for this configuration")
+                candidates.append(c)
+    best, why_none = choose(candidates, margin)
+    result = {"instrument": "advise", "date": dt.date.today().isoformat(), "hardware": hardware(),
+              "model": sig, "quality_from": matched, "tokens": tokens, "margin": margin,
+              "measure_tokens": measure_tokens, "candidates": [c.__dict__ for c in candidates],
+              "choice": best.__dict__ if best else None, "why_none": why_none}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "advice.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(out_dir / "advice.md", markdown(result))
+    return result
+
+
+def flags(c: dict) -> str:
+    """The llama-server flags that serve a candidate (the maps file carries the split)."""
+    return f"--ridgefill-tail {c['tail']} --ridgefill-select {ARMS[c['arm']] or 'none'}"
+
+
+def markdown(r: dict) -> str:
+    m = r["model"]
+    lines = [f"# RidgeFill advice: {m['file']}", "",
+             f"{r['date']}; {r['hardware'].get('gpu') or r['hardware'].get('cpu', '')}. Served length {r['tokens']:,} "
+             f"tokens; quality margin {100 * r['margin']:.0f} points of filled-region retrieval (the one-sided 95% "
+             f"lower bound of the committed study must stay above minus the margin). Speed measured here at "
+             f"{r['measure_tokens']:,} tokens through llama-server and carried to {r['tokens']:,} by the share of "
+             "the MAC ceiling reached here.",
+             "", f"Quality from: {r['quality_from'] or 'no committed study of this model'} (RULER-style needles, "
+             "whose questions repeat the needle's words, so the lexical net helps; questions in other words: "
+             "docs/eval.md, eval facts).", "",
+             "| split | tail | arm | measured speedup | MAC ceiling share | estimated speedup at length | retrieval Δ "
+             "(bound) | samples | within margin |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in r["candidates"]:
+        q, sp = c["quality"], c["speed"]
+        qual = "not measured" if q is None else f"{100 * q['mean']:+.1f} ({100 * q['bound']:+.1f})"
+        holds = "n/a" if q is None else ("yes" if q["bound"] >= -r["margin"] else "no")
+        lines.append(f"| {c['split']} | {c['tail']} | {c['arm']} | {sp['measured']['speedup']:.2f}x | "
+                     f"{100 * sp['measured']['share_of_ceiling']:.0f}% | {sp['at_tokens']['speedup']:.2f}x | {qual} | "
+                     f"{q['n'] if q else '-'} | {holds} |")
+    ch = r["choice"]
+    lines += ["", "**Advice:** " + (
+        f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "
+        f"{r['tokens']:,} tokens, retrieval {100 * ch['quality']['mean']:+.1f} points (bound "
+        f"{100 * ch['quality']['bound']:+.1f}) in `{ch['quality']['run']}`." if ch else r["why_none"] + ".")]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,98 @@
+"""ridgefill-gguf advise: speed measured here, quality from the committed studies, the fastest configuration within
+the user's margin."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, require_builds, tiny_qwen3_with_random_maps
+from ridgefill_gguf import advise as A
+
+
+def test_the_packaged_quality_curves_are_what_the_committed_studies_give():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "quality_curves.py"), "--check"], text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    curves = A.load_curves()["models"]
+    smol = A.quality_of(curves["SmolLM2-135M-Instruct.Q4_1.gguf"]["needles"], 15, 1024, "ridge+probe")
+    # the default selector's largest committed run, not the one without whole numbers or with another budget
+    assert smol["run"].endswith("claim-smollm2-S15-T1024-whole") and smol["n"] == 1095
+    assert A.quality_of(curves["SmolLM2-135M-Instruct.Q4_1.gguf"]["needles"], 11, 1024, "ridge+probe") is None
+
+
+def bench_like(plain: float, probe: float, share: float = 0.8) -> dict:
+    """What run_bench returns, reduced to what advise reads."""
+    return {"rows": [{"speedup": plain, "share_of_ceiling": share, "ceiling_macs": plain / share,
+                      "median_ridgefill_ms": 100 / plain, "median_exact_ms": 100.0}],
+            "selectors": [{"selector": "probe", "speedup_vs_exact": probe, "share_of_ceiling": share,
+                           "ceiling_macs": probe / share, "selected": 100, "prefix": 400, "probe_rows": 256,
+                           "median_ms": 100 / probe}]}
+
+
+def entry(split: int, tail: int, arm: str, bound: float) -> dict:
+    return {"split": split, "tail": tail, "arm": arm, "probe": A.DEFAULT_PROBE if arm != "ridge" else None,
+            "tasks": list(A.NEEDLE_TASKS), "lengths": [4096], "n": 300, "mean": bound / 2, "bound": bound,
+            "run": f"run-{arm}"}
+
+
+def test_advise_takes_the_fastest_configuration_whose_committed_bound_holds_the_margin(tmp_path):
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    curves = {model.name: {"signature": None, "needles": [entry(1, 64, "ridge", -0.40),
+                                                          entry(1, 64, "ridge+probe", -0.015)]}}
+
+    def run(margin: float) -> dict:
+        return A.advise(model, [maps], tokens=8192, margin=margin, tails=(64,), measure_tokens=1024, curves=curves,
+                        out_dir=tmp_path / f"out-{margin}", measure=lambda m, t: bench_like(1.9, 1.4), log=print)
+
+    strict, loose = run(0.02), run(0.5)
+    assert (strict["choice"]["arm"], loose["choice"]["arm"]) == ("ridge+probe", "ridge")
+    assert strict["quality_from"] == model.name
+    at = {c["arm"]: c["speed"]["at_tokens"] for c in strict["candidates"]}
+    # carried to the served length by the share of the MAC ceiling: the ceiling grows with the prompt
+    assert at["ridge"]["speedup"] > 1.9 and at["ridge+probe"]["speedup"] < at["ridge"]["speedup"]
+    slower = A.advise(model, [maps], tokens=1100, margin=0.5, tails=(64,), measure_tokens=1024, curves=curves,
+                      out_dir=tmp_path / "slower", measure=lambda m, t: bench_like(0.7, 0.5, share=0.3), log=print)
+    assert slower["choice"] is None and "not faster than the stock prefill" in slower["why_none"]
+    md = (tmp_path / "out-0.02" / "advice.md").read_text()
+    assert "--ridgefill-tail 64 --ridgefill-select probe" in md
+    assert json.loads((tmp_path / "out-0.5" / "advice.json").read_text())["choice"]["arm"] == "ridge"
+
+
+def test_advise_without_a_committed_study_of_the_model_recommends_nothing_and_says_why(tmp_path):
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    lines: list[str] = []
+    r = A.advise(model, [maps], tokens=8192, margin=0.02, tails=(64,), measure_tokens=1024,
+                 curves=A.load_curves()["models"], out_dir=tmp_path / "out",
+                 measure=lambda m, t: bench_like(1.9, 1.4), log=lines.append)
+    assert r["choice"] is None and r["quality_from"] is None
+    assert any("no committed quality" in s for s in lines)
+    assert all(c["notes"] == ["no committed retrieval for this configuration"] for c in r["candidates"])
+    assert "serve the stock prefill" in (tmp_path / "out" / "advice.md").read_text()
+
+
+def test_advise_measures_plain_ridgefill_and_the_default_selector_through_llama_server(tmp_path):
+    require_builds("ridgefill")
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.cli", "advise", str(model), "--maps", str(maps),
+                           "--tokens", "4096", "--tail", "64", "--measure-tokens", "700", "-t", "2",
+                           "--out", str(tmp_path / "out")], text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out" / "advice.json").read_text())
+    measured = {c["arm"]: c["speed"]["measured"] for c in r["candidates"]}
+    assert set(measured) == {"ridge", "ridge+probe"}
+    assert all(m["speedup"] > 0 and 0 < m["share_of_ceiling"] for m in measured.values())
+    assert 0 < measured["ridge+probe"]["exact_share"] < 1
+    assert list((tmp_path / "out" / "bench").glob("*.json"))  # the measurement's own result files
+    assert "RidgeFill advice" in proc.stdout
+
+
+def test_advise_refuses_a_measurement_too_short_for_its_tail(tmp_path):
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    try:
+        A.advise(model, [maps], tokens=8192, margin=0.02, tails=(1024,), measure_tokens=1024, curves={},
+                 out_dir=tmp_path / "out", measure=lambda m, t: bench_like(1.9, 1.4))
+    except ValueError as e:
+        assert "--measure-tokens (1024) must exceed the largest tail (1024)" in str(e)
+    else:
+        raise AssertionError("a measurement with no prefix was not refused")
