@@ -29,7 +29,8 @@ class Candidate:
     split: int
     tail: int
     arm: str
-    quality: dict | None = None   # needles: n, mean, bound (fractions), holds, run
+    quality: dict | None = None   # needles: n, mean, bound, floor (fractions), run
+    facts: dict = field(default_factory=dict)  # eval facts per question: the same fields
     speed: dict | None = None     # measured here and carried to the served length
     notes: list[str] = field(default_factory=list)
 
@@ -53,30 +54,44 @@ def run_settings(run_dir: Path) -> tuple[dict | None, list[str] | None]:
         return None, None
     opts = json.loads(path.read_text()).get("options") or {}
     sel = opts.get("selectors")
-    if sel is None:
-        return None, opts.get("tasks")
-    return {**{k: sel.get(k) for k in DEFAULT_PROBE}, "whole_numbers": sel.get("whole_numbers", False)}, \
-        opts.get("tasks")
+    return (None if sel is None else probe_fields(sel)), opts.get("tasks")
+
+
+def probe_fields(sel: dict) -> dict:
+    """The settings that make a probe the default one (whole numbers did not exist before they were a setting)."""
+    return {**{k: sel.get(k) for k in DEFAULT_PROBE}, "whole_numbers": sel.get("whole_numbers", False)}
+
+
+def test_entry(t: dict) -> dict:
+    """A non-inferiority test, condensed: samples, mean Δ, the bound and the binomial floor (fractions)."""
+    return {"n": t["n"], "mean": round(t["delta"]["mean"], 6), "bound": round(t["bound"], 6),
+            "floor": round(t["floor"], 6)}
 
 
 def curves_from_reports(reports: list[Path], root: Path, signatures: dict[str, dict]) -> dict:
-    """{model file: {"signature": ..., "needles": [entry]}} from eval report study.json files; an entry is one
-    (split, tail, arm) of one run: n, mean, bound and whether it holds a 2-point margin, with the probe's settings
-    read from the run's own summary (paths relative to root)."""
+    """{model file: {"signature": ..., "needles": [entry], "facts": [entry]}} from eval report study.json files; an
+    entry is one (split, tail, arm) of one run (and a question, for facts): its non-inferiority test, with the
+    probe's settings read from the run (paths relative to root)."""
     out: dict = {}
     for report in reports:
         for model, study in json.loads(Path(report).read_text()).items():
-            entries = out.setdefault(model, {"signature": signatures.get(model), "needles": []})["needles"]
+            m = out.setdefault(model, {"signature": signatures.get(model), "needles": [], "facts": []})
             for run in study.get("needles", []):
                 settings, tasks = run_settings(root / run["path"])
                 for arm, ni in sorted(run.get("noninferiority", {}).items()):
-                    entries.append({"split": run["split"], "tail": run["tail"], "arm": arm,
-                                    "probe": settings if ARMS.get(arm) else None, "tasks": tasks,
-                                    "lengths": run["lengths"],
-                                    "n": ni["n"], "mean": round(ni["delta"]["mean"], 6),
-                                    "bound": round(ni["bound"], 6), "run": run["path"]})
+                    m["needles"].append({"split": run["split"], "tail": run["tail"], "arm": arm,
+                                         "probe": settings if ARMS.get(arm) else None, "tasks": tasks,
+                                         "lengths": run["lengths"], **test_entry(ni), "run": run["path"]})
+            for run in study.get("facts", []):
+                settings = probe_fields(run.get("selectors") or {})
+                for turn, arms in run["turns"].items():
+                    for arm, t in sorted(arms.items()):
+                        m["facts"].append({"split": run["split"], "tail": run["tail"], "arm": arm, "turn": turn,
+                                           "probe": settings if ARMS.get(arm) else None, "lengths": run["lengths"],
+                                           **test_entry(t), "run": run["path"]})
     for m in out.values():
-        m["needles"].sort(key=lambda e: (e["split"], e["tail"], e["arm"], e["run"]))
+        for kind in ("needles", "facts"):
+            m[kind].sort(key=lambda e: (e["split"], e["tail"], e["arm"], e.get("turn", ""), e["run"]))
     return out
 
 
@@ -91,22 +106,36 @@ def curves_of_file(path: Path) -> dict:
     return data["models"] if "models" in data else curves_from_reports([Path(path)], Path.cwd(), {})
 
 
-def curves_for(curves: dict, sig: dict) -> tuple[str | None, list[dict]]:
-    """The committed entries of the model with this signature: matched by shape and name, or by file name."""
+def curves_for(curves: dict, sig: dict) -> tuple[str | None, list[dict], list[dict]]:
+    """The committed needles and facts entries of the model with this signature: matched by shape and name, or by
+    file name."""
     for model, c in curves.items():
         s = c.get("signature") or {}
         same_shape = s and all(s.get(k) == sig[k] for k in ("arch", "n_layer", "n_embd", "name"))
         if same_shape or model == sig["file"]:
-            return model, c["needles"]
-    return None, []
+            return model, c["needles"], c.get("facts", [])
+    return None, [], []
 
 
-def quality_of(entries: list[dict], split: int, tail: int, arm: str) -> dict | None:
-    """The committed retrieval of one configuration with the default selector's settings: the run with the most
-    samples."""
-    ok = [e for e in entries if (e["split"], e["tail"], e["arm"]) == (split, tail, arm)
-          and (ARMS[arm] is None or e["probe"] == DEFAULT_PROBE) and e["tasks"] == list(NEEDLE_TASKS)]
+def quality_of(entries: list[dict], split: int, tail: int, arm: str, turn: str | None = None) -> dict | None:
+    """The committed quality of one configuration with the default selector's settings (needles: over all four
+    tasks; facts: of one question): the run with the most samples."""
+    ok = [e for e in entries if (e["split"], e["tail"], e["arm"], e.get("turn")) == (split, tail, arm, turn)
+          and (ARMS[arm] is None or e["probe"] == DEFAULT_PROBE)
+          and e.get("tasks", list(NEEDLE_TASKS)) == list(NEEDLE_TASKS)]
     return max(ok, key=lambda e: e["n"], default=None)
+
+
+def facts_of(entries: list[dict], split: int, tail: int, arm: str) -> dict:
+    """{question: the committed eval facts test} of one configuration (the follow-up as llama-server serves it by
+    default, over the reused cache, and under exact-only reuse)."""
+    turns = ("first", "follow_up", "follow_up_exact_only")
+    return {t: q for t in turns if (q := quality_of(entries, split, tail, arm, t))}
+
+
+def within(q: dict, margin: float) -> bool | None:
+    """Whether a test holds the margin; None when it has too few samples to (its binomial floor lies below)."""
+    return None if q["floor"] <= -margin else q["bound"] >= -margin
 
 
 # --- speed -----------------------------------------------------------------------------------------------------
@@ -143,7 +172,9 @@ def measured_speeds(bench: dict) -> dict[str, dict]:
 def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None, str]:
     """The fastest configuration (at the served length) whose committed retrieval bound holds the margin and that
     is faster than the stock prefill there; else None and why."""
-    ok = [c for c in candidates if c.quality and c.quality["bound"] >= -margin]
+    # natural questions count where a run has the samples to test the margin: first question and the default follow-up
+    ok = [c for c in candidates if c.quality and within(c.quality, margin)
+          and all(within(q, margin) is not False for t, q in c.facts.items() if t != "follow_up_exact_only")]
     faster = [c for c in ok if c.speed["at_tokens"]["speedup"] > 1.0]
     if faster:
         return max(faster, key=lambda c: c.speed["at_tokens"]["speedup"]), ""
@@ -170,7 +201,7 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
     out_dir = Path(out_dir)
     sig = signature(model)
     shape = ModelShape.from_gguf(model)
-    matched, entries = curves_for(curves, sig)
+    matched, entries, fact_entries = curves_for(curves, sig)
     if matched is None:
         log(f"advise: no committed quality for {sig['file']} ({sig['name']}, {sig['arch']}, {sig['n_layer']} "
             "layers): the speeds below are measured, the quality is not; measure it with eval needles and eval facts")
@@ -184,7 +215,8 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
             log(f"advise: measuring split {split}, tail {tail} at {measure_tokens} tokens")
             speeds = measured_speeds(measure(m, tail))
             for arm, sp in speeds.items():
-                c = Candidate(split, tail, arm, quality_of(entries, split, tail, arm))
+                c = Candidate(split, tail, arm, quality_of(entries, split, tail, arm),
+                              facts_of(fact_entries, split, tail, arm))
                 c.speed = {"measured": sp, "at_tokens": carried_speed(shape, split, tail, tokens, sp)}
                 if c.quality is None:
                     c.notes.append("no committed retrieval for this configuration")
@@ -198,6 +230,14 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
     write_atomic(out_dir / "advice.json", json.dumps(result, indent=1) + "\n")
     write_atomic(out_dir / "advice.md", markdown(result))
     return result
+
+
+def test_cell(q: dict | None) -> str:
+    return "not measured" if q is None else f"{100 * q['mean']:+.1f} ({100 * q['bound']:+.1f}), {q['n']}"
+
+
+def verdict(q: dict | None, margin: float) -> str:
+    return "n/a" if q is None else {True: "yes", False: "no", None: "too few to test"}[within(q, margin)]
 
 
 def flags(c: dict) -> str:
@@ -217,15 +257,15 @@ def markdown(r: dict) -> str:
              "whose questions repeat the needle's words, so the lexical net helps; questions in other words: "
              "docs/eval.md, eval facts).", "",
              "| split | tail | arm | measured speedup | MAC ceiling share | estimated speedup at length | retrieval Δ "
-             "(bound) | samples | within margin |",
+             "(bound), samples | within margin | facts in other words: first / follow-up / follow-up, exact-only |",
              "|---|---|---|---|---|---|---|---|---|"]
     for c in r["candidates"]:
         q, sp = c["quality"], c["speed"]
-        qual = "not measured" if q is None else f"{100 * q['mean']:+.1f} ({100 * q['bound']:+.1f})"
-        holds = "n/a" if q is None else ("yes" if q["bound"] >= -r["margin"] else "no")
         lines.append(f"| {c['split']} | {c['tail']} | {c['arm']} | {sp['measured']['speedup']:.2f}x | "
-                     f"{100 * sp['measured']['share_of_ceiling']:.0f}% | {sp['at_tokens']['speedup']:.2f}x | {qual} | "
-                     f"{q['n'] if q else '-'} | {holds} |")
+                     f"{100 * sp['measured']['share_of_ceiling']:.0f}% | {sp['at_tokens']['speedup']:.2f}x | "
+                     f"{test_cell(q)} | {verdict(q, r['margin'])} | " +
+                     " / ".join(test_cell(c["facts"].get(t)) + f" {verdict(c['facts'].get(t), r['margin'])}"
+                                for t in ("first", "follow_up", "follow_up_exact_only")) + " |")
     ch = r["choice"]
     lines += ["", "**Advice:** " + (
         f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "

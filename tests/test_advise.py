@@ -30,10 +30,11 @@ def bench_like(plain: float, probe: float, share: float = 0.8) -> dict:
                            "median_ms": 100 / probe}]}
 
 
-def entry(split: int, tail: int, arm: str, bound: float) -> dict:
+def entry(split: int, tail: int, arm: str, bound: float, n: int = 300, **more) -> dict:
+    floor = -(1 - 0.05 ** (1 / n))  # the binomial floor, as eval report writes it
     return {"split": split, "tail": tail, "arm": arm, "probe": A.DEFAULT_PROBE if arm != "ridge" else None,
-            "tasks": list(A.NEEDLE_TASKS), "lengths": [4096], "n": 300, "mean": bound / 2, "bound": bound,
-            "run": f"run-{arm}"}
+            "tasks": list(A.NEEDLE_TASKS), "lengths": [4096], "n": n, "mean": bound / 2, "bound": min(bound, floor),
+            "floor": floor, "run": f"run-{arm}", **more}
 
 
 def test_advise_takes_the_fastest_configuration_whose_committed_bound_holds_the_margin(tmp_path):
@@ -54,6 +55,14 @@ def test_advise_takes_the_fastest_configuration_whose_committed_bound_holds_the_
     slower = A.advise(model, [maps], tokens=1100, margin=0.5, tails=(64,), measure_tokens=1024, curves=curves,
                       out_dir=tmp_path / "slower", measure=lambda m, t: bench_like(0.7, 0.5, share=0.3), log=print)
     assert slower["choice"] is None and "not faster than the stock prefill" in slower["why_none"]
+    # facts asked in other words count once a run has the samples to test the margin
+    few = {model.name: {**curves[model.name], "facts": [entry(1, 64, "ridge+probe", -0.30, n=20, turn="first")]}}
+    many = {model.name: {**curves[model.name], "facts": [entry(1, 64, "ridge+probe", -0.30, n=400, turn="first")]}}
+    picks = [A.advise(model, [maps], tokens=8192, margin=0.02, tails=(64,), measure_tokens=1024, curves=c,
+                      out_dir=tmp_path / name, measure=lambda m, t: bench_like(1.9, 1.4), log=print)["choice"]
+             for name, c in (("few", few), ("many", many))]
+    assert picks[0]["arm"] == "ridge+probe" and picks[1] is None
+    assert "too few to test" in (tmp_path / "few" / "advice.md").read_text()
     md = (tmp_path / "out-0.02" / "advice.md").read_text()
     assert "--ridgefill-tail 64 --ridgefill-select probe" in md
     assert json.loads((tmp_path / "out-0.5" / "advice.json").read_text())["choice"]["arm"] == "ridge"

@@ -106,3 +106,12 @@ def test_facts_shards_answer_their_own_samples_and_a_whole_run_after_them_only_s
     r = F.run_facts(model, [maps], out, opts, log=lambda _: None)
     assert (out / "results.jsonl").read_text().splitlines() == answers  # nothing asked again
     assert r["n_samples"] == 3 and (out / "summary.md").exists()
+    # eval report tests each question's arms against exact, beside the needles
+    from ridgefill_gguf.eval.report import run_report
+
+    (runs,) = run_report(out, tmp_path / "report")[model.name]["facts"]
+    assert set(runs["turns"]) <= {"first", "follow_up"} and runs["split"] == 1
+    samples = [F.FactSample(**json.loads(x)) for x in (out / "samples.jsonl").read_text().splitlines()]
+    before_tail = sum(s.filled_region(128, s.asked) for s in samples)
+    assert runs["turns"]["first"]["ridge"]["n"] == before_tail > 0
+    assert "Facts asked in other words" in (tmp_path / "report" / "study.md").read_text()

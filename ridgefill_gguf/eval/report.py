@@ -17,6 +17,8 @@ from pathlib import Path
 from ..util import save_figure, write_atomic
 from .agreement import summarize as summarize_agreement
 from .documents import document_mean, load_jsonl
+from .facts import TURNS as FACT_TURNS
+from .facts import FactSample
 from .needles import Sample
 from .nll import summarize as summarize_nll
 from .stats import bootstrap_mean, noninferiority
@@ -32,8 +34,8 @@ PAIRS = (("ridge", "identity"), ("ridge", "none"), ("ridge+probe", "ridge+random
 
 
 def collect(root: str | Path) -> dict:
-    """{model name: {"nll": [...], "agreement": [...], "needles": [...]}}, each run's split, tail, summary and
-    paired arm-against-arm contrasts."""
+    """{model name: {"nll": [...], "agreement": [...], "needles": [...], and "facts": [...] where there are facts
+    runs}}, each run's split, tail, summary and paired arm-against-arm contrasts."""
     runs: dict[str, dict[str, list]] = defaultdict(lambda: {"nll": [], "agreement": [], "needles": []})
     needle_files: dict[str, tuple[list[Sample], list[dict]]] = {}  # run folder -> samples, answers
     document_files: dict[str, list[dict]] = {}  # run folder -> per-document rows (nll, agreement)
@@ -59,6 +61,14 @@ def collect(root: str | Path) -> dict:
                                               "pairs": pairs, "noninferiority": test,
                                               "lengths": r["options"]["lengths"], "path": str(path.parent),
                                               "config": cfg})
+        elif kind == "facts":
+            samples = [FactSample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
+            answers = load_jsonl(path.parent / "results.jsonl")
+            for cfg, c in r["configs"].items():
+                runs[name].setdefault("facts", []).append(
+                    {"split": c["split"], "tail": c["tail"], "turns": fact_tests(samples, answers, cfg, c["tail"]),
+                     "lengths": r["options"]["lengths"], "selectors": r.get("selectors"), "path": str(path.parent),
+                     "config": cfg})
     # a run in a folder BASE-TAG against the run in BASE: the same prompts or documents, one setting changed
     for model_runs in runs.values():
         for kind, kind_runs in model_runs.items():
@@ -173,6 +183,28 @@ def needle_contrasts(samples: list[Sample], answers: list[dict], config: str, ta
     return pairs, test
 
 
+def fact_tests(samples: list[FactSample], answers: list[dict], config: str, tail: int) -> dict:
+    """{turn: {arm: paper §3.4's test of arm minus exact at the 2-point margin, with that Δ}} over the samples whose
+    asked fact lies before the tail, resampled within each domain."""
+    by = {(a["sample"], a["config"], a["arm"]): a for a in answers}
+    arms = sorted({a["arm"] for a in answers if a["config"] == config})
+    out: dict = {}
+    for turn, field, fact, _ in FACT_TURNS:
+        usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
+                  and field in by.get((s.sample_id, "exact", "exact"), {})]
+        for arm in arms:
+            got = [s for s in usable if field in by.get((s.sample_id, config, arm), {})]
+            if not got:
+                continue
+            d = [by[(s.sample_id, config, arm)][field] - by[(s.sample_id, "exact", "exact")][field] for s in got]
+            domains = [s.domain for s in got]
+            out.setdefault(turn, {})[arm] = {**noninferiority(d, MARGIN, strata=domains),
+                                             "delta": bootstrap_mean(d, strata=domains),
+                                             "exact": sum(by[(s.sample_id, "exact", "exact")][field] for s in got)
+                                             / len(got)}
+    return out
+
+
 def document_pairs(kind: str, docs: list[dict]) -> dict:
     """{"a - b": {measure: bootstrap of the per-document difference, within each domain}} for nll (ΔNLL on all,
     novel and key tokens) and agreement (KL and top-1)."""
@@ -229,8 +261,27 @@ def markdown(study: dict) -> str:
                     lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | " +
                                  " | ".join(cell(s, c) for c in columns) + " |")
             lines.append("")
+        lines += facts_table(runs.get("facts", []))
         lines += pairs_table(runs)
     return "\n".join(lines)
+
+
+def facts_table(runs: list[dict]) -> list[str]:
+    """Facts asked in other words: a row per run, question and arm."""
+    if not runs:
+        return []
+    lines = ["Facts asked in other words (eval facts), samples whose asked fact lies before the tail: exact %, Δ vs "
+             "exact (paired, 95% interval, resampled within domains) and the lower bound against the margin; "
+             "follow_up over the reused cache, follow_up_exact_only as --ridgefill-reuse exact-only serves it:", "",
+             "| split | tail | question | samples | exact | arm | Δ vs exact | lower bound (floor) | "
+             f"within {100 * MARGIN:.0f} points | run |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in sorted(runs, key=lambda x: (x["tail"], x["split"])):
+        for turn, arms in x["turns"].items():
+            for arm, t in arms.items():
+                lines.append(f"| {x['split']} | {x['tail']} | {turn} | {t['n']} | {_pct(t['exact'])} | {arm} | "
+                             f"{_ci(t['delta'], 100, 1)} | {100 * t['bound']:+.1f} ({100 * t['floor']:+.1f}) | "
+                             f"{'yes' if t['holds'] else 'no'} | {Path(x['path']).name} |")
+    return lines + [""]
 
 
 def pairs_table(runs: dict) -> list[str]:
