@@ -264,7 +264,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
               vs_upstream: bool = False, selectors: tuple[str, ...] = (), exact_shares: tuple[float, ...] = (),
               state_update_us: float | None = None, swa_full: bool = True,
               log: Callable[[str], None] = print) -> dict:
-    """selectors: per length, RidgeFill with each exact-row selector (per request) beside plain RidgeFill.
+    """selectors: per length, RidgeFill with each exact-row selector (per request) beside plain RidgeFill; "probe@1.5"
+    is the probe with budget factor 1.5 (the server's budget otherwise).
     exact_shares: per length, RidgeFill with that share of the prefix as random exact rows, for the line
     tau(E) = tau0 + E sigma of paper Appendix H and kappa, an exact prefix row's cost over a tail row's.
     state_update_us: a hybrid's state update per row and layer as tools/gpu/gdn_bench.cpp measured it on this
@@ -486,16 +487,24 @@ def ridgefill_requests(srv: Server, prompt: list[int], repeats: int, **request) 
     return ms, stats
 
 
+def selector_request(selector: str) -> dict:
+    """A selector's request fields: "probe", or "probe@1.5" for the probe (or random rows) with that budget factor."""
+    name, _, budget = selector.partition("@")
+    return {"ridgefill_select": name, **({"ridgefill_budget": float(budget)} if budget else {})}
+
+
 def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, base: dict, placement: str,
                   n: int, log: Callable[[str], None], shape: ModelShape, split: int) -> dict:
     """RidgeFill with one exact-row selector, against the same length's exact and plain RidgeFill medians."""
-    ridgefill_requests(srv, prompt, 1, ridgefill_select=selector)  # warm-up: its buffers
-    ms, stats = ridgefill_requests(srv, prompt, repeats, ridgefill_select=selector)
+    request = selector_request(selector)
+    ridgefill_requests(srv, prompt, 1, **request)  # warm-up: its buffers
+    ms, stats = ridgefill_requests(srv, prompt, repeats, **request)
     st, med = stats[-1], statistics.median(ms)
     log(f"bench: {placement} {n} tokens, {selector}: {med:.0f} ms, {st['selected']} rows selected")
     c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
                         n_probe=st.get("probe_rows", 0), n_fill_skipped=st.get("fill_skipped", 0))
-    return {"placement": placement, "tokens": n, "selector": selector, "ms": ms, "median_ms": med,
+    return {"placement": placement, "tokens": n, "selector": selector, "budget_factor": request.get("ridgefill_budget"),
+            "ms": ms, "median_ms": med,
             "speedup_vs_exact": base["median_exact_ms"] / med, "vs_plain": base["median_ridgefill_ms"] / med,
             "ceiling_macs": c_mac, "share_of_ceiling": base["median_exact_ms"] / med / c_mac,
             "probe_rows": st.get("probe_rows", 0),

@@ -452,6 +452,8 @@ def serve(model, maps, tail, placement, min_prefix, select, exact_share, budget,
 @click.option("--select", "selectors", multiple=True,
               type=click.Choice(["probe", "attention", "protected", "random", "blind-probe", "blind-attention"]),
               help="also time RidgeFill with this exact-row selector (repeatable)")
+@click.option("--budgets", default=None,
+              help="comma-separated budget factors: also time the probe with each (the budget sweep's speed side)")
 @click.option("--exact-shares", default=None,
               help="comma-separated shares of the prefix run as random exact rows: the line tau(E) and kappa")
 @click.option("--state-update-us", type=float, default=None,
@@ -461,14 +463,15 @@ def serve(model, maps, tail, placement, min_prefix, select, exact_share, budget,
               help="a sliding-window model's servers keep every row of the windowed cache, or one window of cells "
                    "(llama-server's default); --vs-upstream times upstream with the other too")
 def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads, out_dir, label, vs_upstream,
-          selectors, exact_shares, state_update_us, swa_full) -> None:
+          selectors, budgets, exact_shares, state_update_us, swa_full) -> None:
     """Time to first token of MODEL, exact against RidgeFill, side by side on one server; JSON, Markdown, PNG."""
     from .bench import run_bench
 
     result = run_bench(model, maps, list(_ints(lengths, "--lengths")), tail=tail,
                        placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
                        threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream,
-                       selectors=tuple(selectors), exact_shares=_floats(exact_shares) if exact_shares else (),
+                       selectors=tuple(selectors) + tuple(f"probe@{b:g}" for b in (_floats(budgets) if budgets else ())),
+                       exact_shares=_floats(exact_shares) if exact_shares else (),
                        state_update_us=state_update_us, swa_full=swa_full, log=click.echo)
     click.echo(Path(result["files"][1]).read_text())
     click.echo("wrote " + ", ".join(result["files"]))

@@ -7,7 +7,8 @@
 # STATE_US: a hybrid's state update per row and layer (tools/gpu/bench-gdn.sh), for the ceilings that time it.
 # SERVER_ARGS: more llama-server flags, e.g. "--ridgefill-recurrent-chunk 512".
 # SWA_FULL=0: a windowed model's servers keep one window of cells (llama-server's default), not every row.
-# SELECT and EXACT_SHARES: issue 8's cost (the selectors beside plain RidgeFill; the line tau(E) and kappa).
+# SELECT and EXACT_SHARES: issue 8's cost (the selectors beside plain RidgeFill; the line tau(E) and kappa);
+# SELECT=probe,probe@1.5,probe@2 times the probe at those budget factors too (issue 22's sweep, speed side).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
