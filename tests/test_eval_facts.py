@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 from conftest import require_builds, tiny_qwen3_with_random_maps
 from ridgefill_gguf.eval import facts as F
+from ridgefill_gguf.eval.report import run_report
 
 
 def test_every_question_shares_no_run_of_four_words_with_any_fact_of_its_prompt():
@@ -106,10 +108,11 @@ def test_facts_shards_answer_their_own_samples_and_a_whole_run_after_them_only_s
     r = F.run_facts(model, [maps], out, opts, log=lambda _: None)
     assert (out / "results.jsonl").read_text().splitlines() == answers  # nothing asked again
     assert r["n_samples"] == 3 and (out / "summary.md").exists()
-    # eval report tests each question's arms against exact, beside the needles
-    from ridgefill_gguf.eval.report import run_report
-
-    (runs,) = run_report(out, tmp_path / "report")[model.name]["facts"]
+    # eval report tests each question's arms against exact, beside the needles; a tagged run (another setting,
+    # its own exact arm) is tested within itself
+    shutil.copytree(out, tmp_path / "out-budget2")
+    runs, tagged = run_report(tmp_path, tmp_path / "report")[model.name]["facts"]
+    assert tagged["path"].endswith("out-budget2") and tagged["turns"] == runs["turns"]
     assert set(runs["turns"]) <= {"first", "follow_up"} and runs["split"] == 1
     samples = [F.FactSample(**json.loads(x)) for x in (out / "samples.jsonl").read_text().splitlines()]
     before_tail = sum(s.filled_region(128, s.asked) for s in samples)

@@ -72,6 +72,8 @@ def collect(root: str | Path) -> dict:
     # a run in a folder BASE-TAG against the run in BASE: the same prompts or documents, one setting changed
     for model_runs in runs.values():
         for kind, kind_runs in model_runs.items():
+            if kind == "facts":  # a facts run answers its own exact arm: each is paired within itself
+                continue
             for x in kind_runs:
                 if (found := tagged_base(x, kind_runs)) is None:
                     continue
