@@ -791,6 +791,26 @@ def eval_report(root, out_dir) -> None:
     click.echo((out_dir / "study.md").read_text())
 
 
+@eval_group.command("pareto")
+@click.option("--bench", "benches", multiple=True, required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a bench result (.json) with the probe at several budget factors (repeatable)")
+@click.option("--quality", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="an eval report study.json (tagged runs per setting); default: the committed studies")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+def eval_pareto(benches, quality, out_dir) -> None:
+    """Speed against quality per configuration (tail, probe rows, budget factor), with the Pareto frontier."""
+    from . import advise as A
+    from .eval.pareto import run_pareto
+
+    curves = A.load_curves()["models"] if quality is None else A.curves_of_file(quality)
+    try:
+        run_pareto(list(benches), curves, out_dir)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo((out_dir / "pareto.md").read_text())
+
+
 @main.command()
 @click.option("--model", "model_key", default=None,
               help="a model key of `ridgefill-gguf models` (default qwen2.5-coder-0.5b)")

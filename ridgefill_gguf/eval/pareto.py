@@ -1,0 +1,133 @@
+"""`ridgefill-gguf eval pareto`: the trade, swept. Speed from `bench` runs (the probe at several budget factors
+beside plain RidgeFill, at one or more lengths) against quality from an `eval report` study (tagged runs of the
+same settings), joined by configuration: tail, probe rows and budget factor (plain RidgeFill is budget 0). Speed
+and quality may come from different models (the 8B shape's time on the GPU, the small real models' retrieval):
+the join is by settings, and the plot has a panel per quality model and measure."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..util import save_figure, write_atomic
+
+SERVER_BUDGET = 1.0  # a bench row without budget_factor ran at the server's budget, the default 1
+
+
+def speed_points(bench: dict) -> dict[tuple, dict[int, float]]:
+    """{(tail, probe rows, budget factor): {tokens: speedup over exact}} from one bench result (resident rows)."""
+    out: dict[tuple, dict[int, float]] = {}
+    tail = bench["tail"]
+    for row in bench["rows"]:
+        if row["placement"] == "resident":
+            out.setdefault((tail, 0, 0.0), {})[row["tokens"]] = row["speedup"]
+    for x in bench.get("selectors") or []:
+        if x["placement"] == "resident" and x["selector"].partition("@")[0] == "probe":
+            key = (tail, x["probe_rows"], x.get("budget_factor") or SERVER_BUDGET)
+            out.setdefault(key, {})[x["tokens"]] = x["speedup_vs_exact"]
+    return out
+
+
+def quality_points(model_curves: dict) -> dict[tuple, dict[tuple, dict]]:
+    """{(tail, probe rows, budget factor): {(split, measure): test entry}} for one model's curves (advise's form):
+    measures "needles", and "facts first" / "facts follow_up" / ... where there are facts runs. Probe runs other than
+    the default in more than budget and probe rows are left out; of several runs, the one with the most samples."""
+    from ..advise import DEFAULT_PROBE
+
+    out: dict[tuple, dict[str, dict]] = {}
+    entries = [("needles", e) for e in model_curves.get("needles", [])] + \
+              [(f"facts {e['turn']}", e) for e in model_curves.get("facts", [])]
+    for measure, e in entries:
+        if e["arm"] == "ridge":
+            key = (e["tail"], 0, 0.0)
+        elif e["arm"] == "ridge+probe" and e["probe"] and all(
+                e["probe"][k] == v for k, v in DEFAULT_PROBE.items() if k not in ("budget", "probe_rows")):
+            key = (e["tail"], e["probe"]["probe_rows"], float(e["probe"]["budget"]))
+        else:
+            continue
+        if "tasks" in e and len(e["tasks"] or []) < 4:
+            continue  # a subset of the needle tasks speaks for that subset only
+        best = out.setdefault(key, {}).get((e["split"], measure))
+        if best is None or e["n"] > best["n"]:
+            out[key][(e["split"], measure)] = e
+    return out
+
+
+def frontier(points: list[dict]) -> None:
+    """Mark each point on the Pareto frontier: no other point is at least as fast and at least as good, and better
+    in one (quality: the mean difference from exact)."""
+    for p in points:
+        p["frontier"] = not any(q is not p and q["speedup"] >= p["speedup"] and q["mean"] >= p["mean"]
+                                and (q["speedup"] > p["speedup"] or q["mean"] > p["mean"]) for q in points)
+
+
+def run_pareto(benches: list[Path], curves: dict, out_dir: Path) -> dict:
+    """Join every bench with every model's curves; write pareto.json, pareto.md and pareto.png under out_dir."""
+    speed: dict[tuple, dict[int, float]] = {}
+    for b in benches:
+        for key, by_n in speed_points(json.loads(Path(b).read_text())).items():
+            speed.setdefault(key, {}).update(by_n)
+    panels = []
+    for model, c in curves.items():
+        quality = quality_points(c)
+        for split, measure in sorted({m for q in quality.values() for m in q}):
+            for n in sorted({n for by_n in speed.values() for n in by_n}):
+                pts = [{"tail": k[0], "probe_rows": k[1], "budget": k[2], "speedup": speed[k][n],
+                        **{f: quality[k][(split, measure)][f] for f in ("n", "mean", "bound")},
+                        "run": quality[k][(split, measure)]["run"]}
+                       for k in sorted(speed) if n in speed[k] and (split, measure) in quality.get(k, {})]
+                if len(pts) > 1:
+                    frontier(pts)
+                    panels.append({"model": model, "split": split, "measure": measure, "tokens": n, "points": pts})
+    if not panels:
+        raise ValueError("no two configurations have both a speed (bench) and a quality (study) measurement: the "
+                         "join is by tail, probe rows and budget factor")
+    result = {"instrument": "eval pareto", "benches": [str(b) for b in benches], "panels": panels}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "pareto.json", json.dumps(result, indent=1) + "\n")
+    write_atomic(out_dir / "pareto.md", markdown(result))
+    plot(result, out_dir / "pareto.png")
+    return result
+
+
+def label(p: dict) -> str:
+    return "plain" if p["budget"] == 0 else f"probe {p['probe_rows']}, budget {p['budget']:g}"
+
+
+def markdown(r: dict) -> str:
+    lines = ["# The trade: speed against quality per configuration", "",
+             "Speed: time to first token over exact (bench, resident maps); quality: difference from exact, points "
+             "(mean, with the one-sided 95% lower bound), on the filled region. * = on the Pareto frontier.", ""]
+    for p in r["panels"]:
+        lines += [f"## {p['model']}, split {p['split']}: {p['measure']}, speed at {p['tokens']:,} tokens", "",
+                  "| tail | configuration | speedup | Δ vs exact (bound) | samples | frontier | run |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in sorted(p["points"], key=lambda x: -x["speedup"]):
+            lines.append(f"| {x['tail']} | {label(x)} | {x['speedup']:.2f}x | {100 * x['mean']:+.1f} "
+                         f"({100 * x['bound']:+.1f}) | {x['n']} | {'*' if x['frontier'] else ''} | {x['run']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = r["panels"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        for x in p["points"]:
+            ax.errorbar(x["speedup"], 100 * x["mean"], yerr=[[100 * (x["mean"] - x["bound"])], [0]], fmt="o",
+                        color="C3" if x["frontier"] else "C0", capsize=3)
+            ax.annotate(label(x), (x["speedup"], 100 * x["mean"]), fontsize=7, xytext=(4, 4),
+                        textcoords="offset points")
+        front = sorted((x for x in p["points"] if x["frontier"]), key=lambda x: x["speedup"])
+        ax.plot([x["speedup"] for x in front], [100 * x["mean"] for x in front], color="C3", lw=0.8)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_xlabel(f"speedup at {p['tokens']:,} tokens")
+        ax.set_ylabel("Δ vs exact (points)")
+        ax.set_title(f"{Path(p['model']).stem} S{p['split']}: {p['measure']}", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)

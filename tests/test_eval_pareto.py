@@ -1,0 +1,47 @@
+"""eval pareto: the budget sweep's speed (bench) against quality (eval report), joined by configuration."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ridgefill_gguf import advise as A
+from ridgefill_gguf.eval.pareto import run_pareto
+
+
+def bench_result(speedups: dict[str, float], tokens: int = 32768) -> dict:
+    """A bench result reduced to what eval pareto reads: plain RidgeFill and the probe at budget factors."""
+    plain = speedups.pop("plain")
+    return {"tail": 1024, "rows": [{"placement": "resident", "tokens": tokens, "speedup": plain}],
+            "selectors": [{"placement": "resident", "tokens": tokens, "selector": s, "probe_rows": 256,
+                           "budget_factor": float(s.partition("@")[2]) if "@" in s else None, "speedup_vs_exact": v}
+                          for s, v in speedups.items()]}
+
+
+def needles(split: int, arm: str, budget: float | None, mean: float, n: int = 400) -> dict:
+    probe = None if budget is None else {**A.DEFAULT_PROBE, "budget": budget}
+    return {"split": split, "tail": 1024, "arm": arm, "probe": probe, "tasks": list(A.NEEDLE_TASKS),
+            "lengths": [4096], "n": n, "mean": mean, "bound": mean - 0.01, "floor": -0.0075, "run": f"r{budget}"}
+
+
+def test_the_pareto_join_marks_the_configurations_no_other_beats_in_both_speed_and_quality(tmp_path):
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps(bench_result({"plain": 2.1, "probe": 1.5, "probe@1.5": 1.3, "probe@2": 1.35})))
+    curves = {"m.gguf": {"needles": [needles(15, "ridge", None, -0.6), needles(15, "ridge+probe", 1.0, -0.02),
+                                     needles(15, "ridge+probe", 1.5, -0.01), needles(15, "ridge+probe", 2.0, 0.0),
+                                     needles(11, "ridge", None, -0.7)]}}
+    r = run_pareto([bench], curves, tmp_path / "out")
+    (panel,) = r["panels"]  # split 11 has one configuration: no trade to show
+    assert (panel["split"], panel["measure"], panel["tokens"]) == (15, "needles", 32768)
+    front = {(p["budget"], p["frontier"]) for p in panel["points"]}
+    # budget 1.5 is slower than budget 2 and worse: off the frontier
+    assert front == {(0.0, True), (1.0, True), (1.5, False), (2.0, True)}
+    assert "| 1024 | probe 256, budget 2 | 1.35x |" in (tmp_path / "out" / "pareto.md").read_text()
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 1000
+
+
+def test_eval_pareto_refuses_a_bench_and_study_with_nothing_in_common(tmp_path):
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps({**bench_result({"plain": 2.0, "probe": 1.4}), "tail": 4096}))
+    with pytest.raises(ValueError, match="join is by tail, probe rows and budget factor"):
+        run_pareto([bench], A.load_curves()["models"], tmp_path / "out")
