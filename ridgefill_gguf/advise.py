@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .bench import mac_ceiling
+from .eval.facts import TURNS as FACT_TURNS
 from .eval.needles import TASKS as NEEDLE_TASKS
 from .random_gguf import ModelShape
 
@@ -51,7 +52,8 @@ def run_settings(run_dir: Path) -> tuple[dict | None, list[str] | None]:
     run from before whole numbers existed ran without them."""
     path = run_dir / "summary.json"
     if not path.exists():
-        return None, None
+        raise ValueError(f"the study names the run {run_dir}, whose summary.json is not there: run this from where "
+                         "eval report ran, or beside the study's runs")
     opts = json.loads(path.read_text()).get("options") or {}
     sel = opts.get("selectors")
     return (None if sel is None else probe_fields(sel)), opts.get("tasks")
@@ -62,33 +64,40 @@ def probe_fields(sel: dict) -> dict:
     return {**{k: sel.get(k) for k in DEFAULT_PROBE}, "whole_numbers": sel.get("whole_numbers", False)}
 
 
-def test_entry(t: dict) -> dict:
-    """A non-inferiority test, condensed: samples, mean Δ, the bound and the binomial floor (fractions)."""
-    return {"n": t["n"], "mean": round(t["delta"]["mean"], 6), "bound": round(t["bound"], 6),
-            "floor": round(t["floor"], 6)}
+def condensed_test(t: dict) -> dict:
+    """A non-inferiority test, condensed: samples, mean Δ and its upper end, the bound and the binomial floor
+    (fractions)."""
+    return {"n": t["n"], "mean": round(t["delta"]["mean"], 6), "hi": round(t["delta"]["hi"], 6),
+            "bound": round(t["bound"], 6), "floor": round(t["floor"], 6)}
+
+
+def run_folder(path: str, roots: list[Path]) -> Path:
+    """A run's folder as a study names it, under the first root that has it."""
+    return next((r / path for r in roots if (r / path).exists()), roots[0] / path)
 
 
 def curves_from_reports(reports: list[Path], root: Path, signatures: dict[str, dict]) -> dict:
     """{model file: {"signature": ..., "needles": [entry], "facts": [entry]}} from eval report study.json files; an
     entry is one (split, tail, arm) of one run (and a question, for facts): its non-inferiority test, with the
-    probe's settings read from the run (paths relative to root)."""
+    probe's settings read from the run (its path from root, or from beside the study)."""
     out: dict = {}
     for report in reports:
+        roots = [root, Path(report).resolve().parent.parent]
         for model, study in json.loads(Path(report).read_text()).items():
             m = out.setdefault(model, {"signature": signatures.get(model), "needles": [], "facts": []})
             for run in study.get("needles", []):
-                settings, tasks = run_settings(root / run["path"])
+                settings, tasks = run_settings(run_folder(run["path"], roots))
                 for arm, ni in sorted(run.get("noninferiority", {}).items()):
                     m["needles"].append({"split": run["split"], "tail": run["tail"], "arm": arm,
                                          "probe": settings if ARMS.get(arm) else None, "tasks": tasks,
-                                         "lengths": run["lengths"], **test_entry(ni), "run": run["path"]})
+                                         "lengths": run["lengths"], **condensed_test(ni), "run": run["path"]})
             for run in study.get("facts", []):
                 settings = probe_fields(run.get("selectors") or {})
                 for turn, arms in run["turns"].items():
                     for arm, t in sorted(arms.items()):
                         m["facts"].append({"split": run["split"], "tail": run["tail"], "arm": arm, "turn": turn,
                                            "probe": settings if ARMS.get(arm) else None, "lengths": run["lengths"],
-                                           **test_entry(t), "run": run["path"]})
+                                           **condensed_test(t), "run": run["path"]})
     for m in out.values():
         for kind in ("needles", "facts"):
             m[kind].sort(key=lambda e: (e["split"], e["tail"], e["arm"], e.get("turn", ""), e["run"]))
@@ -117,51 +126,67 @@ def curves_for(curves: dict, sig: dict) -> tuple[str | None, list[dict], list[di
     return None, [], []
 
 
+def default_like(e: dict, free: tuple[str, ...] = ()) -> bool:
+    """Whether an entry speaks for the default selector (all four needle tasks; the probe's default settings but
+    for those named free); plain RidgeFill has no settings."""
+    probe_ok = ARMS.get(e["arm"]) is None or (e["probe"] is not None and all(
+        e["probe"].get(k) == v for k, v in DEFAULT_PROBE.items() if k not in free))
+    return probe_ok and e.get("tasks", list(NEEDLE_TASKS)) == list(NEEDLE_TASKS)
+
+
 def quality_of(entries: list[dict], split: int, tail: int, arm: str, turn: str | None = None) -> dict | None:
     """The committed quality of one configuration with the default selector's settings (needles: over all four
     tasks; facts: of one question): the run with the most samples."""
     ok = [e for e in entries if (e["split"], e["tail"], e["arm"], e.get("turn")) == (split, tail, arm, turn)
-          and (ARMS[arm] is None or e["probe"] == DEFAULT_PROBE)
-          and e.get("tasks", list(NEEDLE_TASKS)) == list(NEEDLE_TASKS)]
+          and default_like(e)]
     return max(ok, key=lambda e: e["n"], default=None)
 
 
 def facts_of(entries: list[dict], split: int, tail: int, arm: str) -> dict:
     """{question: the committed eval facts test} of one configuration (the follow-up as llama-server serves it by
     default, over the reused cache, and under exact-only reuse)."""
-    turns = ("first", "follow_up", "follow_up_exact_only")
-    return {t: q for t in turns if (q := quality_of(entries, split, tail, arm, t))}
+    return {t[0]: q for t in FACT_TURNS if (q := quality_of(entries, split, tail, arm, t[0]))}
 
 
 def within(q: dict, margin: float) -> bool | None:
-    """Whether a test holds the margin; None when it has too few samples to (its binomial floor lies below)."""
-    return None if q["floor"] <= -margin else q["bound"] >= -margin
+    """Whether a test holds the margin (its bound above minus the margin, as eval report decides); False too when
+    even the interval's upper end lies below; None when it has too few samples to tell (its binomial floor lies
+    below)."""
+    if q["bound"] > -margin:
+        return True
+    return False if q["floor"] > -margin or q["hi"] < -margin else None
 
 
 # --- speed -----------------------------------------------------------------------------------------------------
 
-def carried_speed(shape: ModelShape, split: int, tail: int, tokens: int, measured: dict) -> dict:
-    """A configuration's speedup at `tokens` from its share of the MAC ceiling at the measured length. The exact
-    rows keep the share of the prefix they had here; a windowed model's skipped fills are not counted (a lower
-    ceiling)."""
+def ceiling_at(shape: ModelShape, split: int, tail: int, tokens: int, measured: dict) -> float:
+    """The MAC ceiling of a configuration at `tokens`, its exact rows keeping the share of the prefix they had when
+    measured; a windowed model's skipped fills are not counted."""
     prefix = max(tokens - tail, 1)
     exact = int(round(measured["exact_share"] * prefix))
-    ceiling = mac_ceiling(shape, tokens, split, prefix - exact, exact + tail, tail,
-                          n_probe=measured.get("probe_rows", 0))
-    return {"tokens": tokens, "ceiling_macs": round(ceiling, 4),
-            "speedup": round(measured["share_of_ceiling"] * ceiling, 3)}
+    return mac_ceiling(shape, tokens, split, prefix - exact, exact + tail, tail, n_probe=measured.get("probe_rows", 0))
+
+
+def carried_speed(shape: ModelShape, split: int, tail: int, tokens: int, measured: dict) -> dict:
+    """A configuration's speedup at `tokens`: the measured speedup times its ceiling there over its ceiling at the
+    measured length, both counted the same way (its share of the ceiling stays)."""
+    here = ceiling_at(shape, split, tail, measured["tokens"], measured)
+    there = ceiling_at(shape, split, tail, tokens, measured)
+    return {"tokens": tokens, "ceiling_macs": round(there, 4),
+            "speedup": round(measured["speedup"] * there / here, 3)}
 
 
 def measured_speeds(bench: dict) -> dict[str, dict]:
-    """{arm: what the bench measured} for plain RidgeFill and the default selector."""
+    """{arm: what the bench measured} for plain RidgeFill and the default selector (when the bench timed it)."""
     row = bench["rows"][0]
-    out = {"ridge": {"speedup": row["speedup"], "share_of_ceiling": row["share_of_ceiling"],
-                     "ceiling_macs": row["ceiling_macs"], "exact_share": 0.0, "ms": row["median_ridgefill_ms"],
-                     "stock_ms": row["median_exact_ms"]}}
-    for s in bench["selectors"]:
+    out = {"ridge": {"tokens": row["tokens"], "speedup": row["speedup"],
+                     "share_of_ceiling": row["share_of_ceiling"], "exact_share": 0.0,
+                     "ms": row["median_ridgefill_ms"], "stock_ms": row["median_exact_ms"]}}
+    for s in bench.get("selectors") or []:
         if s["selector"] == "probe":
-            out["ridge+probe"] = {"speedup": s["speedup_vs_exact"], "share_of_ceiling": s["share_of_ceiling"],
-                                  "ceiling_macs": s["ceiling_macs"], "exact_share": s["selected"] / s["prefix"],
+            out["ridge+probe"] = {"tokens": row["tokens"], "speedup": s["speedup_vs_exact"],
+                                  "share_of_ceiling": s["share_of_ceiling"],
+                                  "exact_share": s["selected"] / s["prefix"],
                                   "probe_rows": s["probe_rows"], "ms": s["median_ms"],
                                   "stock_ms": row["median_exact_ms"]}
     return out
@@ -207,7 +232,7 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
             "layers): the speeds below are measured, the quality is not; measure it with eval needles and eval facts")
     measure = measure or (lambda m, t: run_bench(
         model, m, [measure_tokens], tail=t, repeats=1, selectors=("probe",), threads=threads,
-        n_gpu_layers=n_gpu_layers, out_dir=out_dir / "bench", log=log))
+        n_gpu_layers=n_gpu_layers, out_dir=out_dir / "bench", label=f"{Path(m).stem}-T{t}", log=log))
     candidates = []
     for m in maps:
         split = int(read_gguf(m).get("ridgefill.split"))
@@ -232,7 +257,7 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
     return result
 
 
-def test_cell(q: dict | None) -> str:
+def bound_cell(q: dict | None) -> str:
     return "not measured" if q is None else f"{100 * q['mean']:+.1f} ({100 * q['bound']:+.1f}), {q['n']}"
 
 
@@ -263,9 +288,9 @@ def markdown(r: dict) -> str:
         q, sp = c["quality"], c["speed"]
         lines.append(f"| {c['split']} | {c['tail']} | {c['arm']} | {sp['measured']['speedup']:.2f}x | "
                      f"{100 * sp['measured']['share_of_ceiling']:.0f}% | {sp['at_tokens']['speedup']:.2f}x | "
-                     f"{test_cell(q)} | {verdict(q, r['margin'])} | " +
-                     " / ".join(test_cell(c["facts"].get(t)) + f" {verdict(c['facts'].get(t), r['margin'])}"
-                                for t in ("first", "follow_up", "follow_up_exact_only")) + " |")
+                     f"{bound_cell(q)} | {verdict(q, r['margin'])} | " +
+                     " / ".join(bound_cell(c["facts"].get(t[0])) + f" {verdict(c['facts'].get(t[0]), r['margin'])}"
+                                for t in FACT_TURNS) + " |")
     ch = r["choice"]
     lines += ["", "**Advice:** " + (
         f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "

@@ -470,7 +470,8 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
     result = run_bench(model, maps, list(_ints(lengths, "--lengths")), tail=tail,
                        placements=tuple(placements) or ("resident",), repeats=repeats, n_gpu_layers=n_gpu_layers,
                        threads=threads, out_dir=out_dir, label=label, vs_upstream=vs_upstream,
-                       selectors=tuple(selectors) + tuple(f"probe@{b:g}" for b in (_floats(budgets) if budgets else ())),
+                       selectors=tuple(selectors) + tuple(f"probe@{b:g}" for b in (_floats(budgets) if budgets
+                                                                                    else ())),
                        exact_shares=_floats(exact_shares) if exact_shares else (),
                        state_update_us=state_update_us, swa_full=swa_full, log=click.echo)
     click.echo(Path(result["files"][1]).read_text())
@@ -499,11 +500,31 @@ def advise(model, maps, tokens, margin, tails, measure_tokens, quality, out_dir,
     the committed studies (or --quality)."""
     from . import advise as A
 
-    (n_tokens,), (n_measure,) = _ints(tokens, "--tokens"), _ints(measure_tokens, "--measure-tokens")
-    curves = A.load_curves()["models"] if quality is None else A.curves_of_file(quality)
-    A.advise(model, list(maps), tokens=n_tokens, margin=margin / 100, tails=tuple(tails), measure_tokens=n_measure,
-             curves=curves, out_dir=out_dir, threads=threads, n_gpu_layers=n_gpu_layers, log=click.echo)
+    n_tokens, n_measure = _one_int(tokens, "--tokens"), _one_int(measure_tokens, "--measure-tokens")
+    try:
+        A.advise(model, list(maps), tokens=n_tokens, margin=margin / 100, tails=tuple(tails),
+                 measure_tokens=n_measure, curves=_quality_curves(quality), out_dir=out_dir, threads=threads,
+                 n_gpu_layers=n_gpu_layers, log=click.echo)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
     click.echo((out_dir / "advice.md").read_text())
+
+
+def _one_int(text: str, hint: str) -> int:
+    values = _ints(text, hint)
+    if len(values) != 1:
+        raise click.BadParameter(f"'{text}': one length, e.g. 32k", param_hint=hint)
+    return values[0]
+
+
+def _quality_curves(quality: Path | None) -> dict:
+    """The models' quality curves: the committed studies', or those of the file --quality names."""
+    from . import advise as A
+
+    try:
+        return A.load_curves()["models"] if quality is None else A.curves_of_file(quality)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
 
 
 @main.command()
@@ -800,10 +821,9 @@ def eval_report(root, out_dir) -> None:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 def eval_pareto(benches, quality, out_dir) -> None:
     """Speed against quality per configuration (tail, probe rows, budget factor), with the Pareto frontier."""
-    from . import advise as A
     from .eval.pareto import run_pareto
 
-    curves = A.load_curves()["models"] if quality is None else A.curves_of_file(quality)
+    curves = _quality_curves(quality)
     try:
         run_pareto(list(benches), curves, out_dir)
     except ValueError as e:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, require_builds, tiny_qwen3_with_random_maps
 from ridgefill_gguf import advise as A
 
@@ -23,18 +24,18 @@ def test_the_packaged_quality_curves_are_what_the_committed_studies_give():
 
 def bench_like(plain: float, probe: float, share: float = 0.8) -> dict:
     """What run_bench returns, reduced to what advise reads."""
-    return {"rows": [{"speedup": plain, "share_of_ceiling": share, "ceiling_macs": plain / share,
+    return {"rows": [{"tokens": 1024, "speedup": plain, "share_of_ceiling": share, "ceiling_macs": plain / share,
                       "median_ridgefill_ms": 100 / plain, "median_exact_ms": 100.0}],
             "selectors": [{"selector": "probe", "speedup_vs_exact": probe, "share_of_ceiling": share,
                            "ceiling_macs": probe / share, "selected": 100, "prefix": 400, "probe_rows": 256,
                            "median_ms": 100 / probe}]}
 
 
-def entry(split: int, tail: int, arm: str, bound: float, n: int = 300, **more) -> dict:
+def entry(split: int, tail: int, arm: str, bound: float, n: int = 300, hi: float = 0.05, **more) -> dict:
     floor = -(1 - 0.05 ** (1 / n))  # the binomial floor, as eval report writes it
     return {"split": split, "tail": tail, "arm": arm, "probe": A.DEFAULT_PROBE if arm != "ridge" else None,
-            "tasks": list(A.NEEDLE_TASKS), "lengths": [4096], "n": n, "mean": bound / 2, "bound": min(bound, floor),
-            "floor": floor, "run": f"run-{arm}", **more}
+            "tasks": list(A.NEEDLE_TASKS), "lengths": [4096], "n": n, "mean": bound / 2, "hi": hi,
+            "bound": min(bound, floor), "floor": floor, "run": f"run-{arm}", **more}
 
 
 def test_advise_takes_the_fastest_configuration_whose_committed_bound_holds_the_margin(tmp_path):
@@ -55,13 +56,16 @@ def test_advise_takes_the_fastest_configuration_whose_committed_bound_holds_the_
     slower = A.advise(model, [maps], tokens=1100, margin=0.5, tails=(64,), measure_tokens=1024, curves=curves,
                       out_dir=tmp_path / "slower", measure=lambda m, t: bench_like(0.7, 0.5, share=0.3), log=print)
     assert slower["choice"] is None and "not faster than the stock prefill" in slower["why_none"]
-    # facts asked in other words count once a run has the samples to test the margin
-    few = {model.name: {**curves[model.name], "facts": [entry(1, 64, "ridge+probe", -0.30, n=20, turn="first")]}}
-    many = {model.name: {**curves[model.name], "facts": [entry(1, 64, "ridge+probe", -0.30, n=400, turn="first")]}}
-    picks = [A.advise(model, [maps], tokens=8192, margin=0.02, tails=(64,), measure_tokens=1024, curves=c,
-                      out_dir=tmp_path / name, measure=lambda m, t: bench_like(1.9, 1.4), log=print)["choice"]
-             for name, c in (("few", few), ("many", many))]
-    assert picks[0]["arm"] == "ridge+probe" and picks[1] is None
+    # facts asked in other words count once a run has the samples to test the margin, or shows a clear loss
+    def with_facts(**test) -> dict:
+        return {model.name: {**curves[model.name], "facts": [entry(1, 64, "ridge+probe", turn="first", **test)]}}
+
+    picks = {name: A.advise(model, [maps], tokens=8192, margin=0.02, tails=(64,), measure_tokens=1024,
+                            curves=with_facts(**test), out_dir=tmp_path / name,
+                            measure=lambda m, t: bench_like(1.9, 1.4), log=print)["choice"]
+             for name, test in {"few": dict(bound=-0.30, n=20, hi=0.1), "clear": dict(bound=-0.60, n=20, hi=-0.1),
+                                "many": dict(bound=-0.30, n=400)}.items()}
+    assert picks["few"]["arm"] == "ridge+probe" and picks["clear"] is None and picks["many"] is None
     assert "too few to test" in (tmp_path / "few" / "advice.md").read_text()
     md = (tmp_path / "out-0.02" / "advice.md").read_text()
     assert "--ridgefill-tail 64 --ridgefill-select probe" in md
@@ -98,10 +102,20 @@ def test_advise_measures_plain_ridgefill_and_the_default_selector_through_llama_
 
 def test_advise_refuses_a_measurement_too_short_for_its_tail(tmp_path):
     model, maps = tiny_qwen3_with_random_maps(tmp_path)
-    try:
+    with pytest.raises(ValueError, match=r"--measure-tokens \(1024\) must exceed the largest tail \(1024\)"):
         A.advise(model, [maps], tokens=8192, margin=0.02, tails=(1024,), measure_tokens=1024, curves={},
                  out_dir=tmp_path / "out", measure=lambda m, t: bench_like(1.9, 1.4))
-    except ValueError as e:
-        assert "--measure-tokens (1024) must exceed the largest tail (1024)" in str(e)
-    else:
-        raise AssertionError("a measurement with no prefix was not refused")
+    # the command says so in one line, as it does for two served lengths
+    for args, said in ((["--tail", "4096"], "must exceed the largest tail"), (["--tokens", "16k,32k"], "one length")):
+        proc = subprocess.run([sys.executable, "-m", "ridgefill_gguf.cli", "advise", str(model), "--maps", str(maps),
+                               *args, "--out", str(tmp_path / "cli")], text=True, capture_output=True, timeout=300)
+        assert proc.returncode != 0 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_quality_study_whose_runs_are_not_there_is_refused_by_name(tmp_path):
+    study = {"m.gguf": {"needles": [{"split": 1, "tail": 64, "lengths": [1024], "path": "gone/needles-m",
+                                     "noninferiority": {}}]}}
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "study.json").write_text(json.dumps(study))
+    with pytest.raises(ValueError, match="names the run .*needles-m, whose summary.json is not there"):
+        A.curves_of_file(tmp_path / "report" / "study.json")

@@ -73,7 +73,8 @@ def test_eval_facts_asks_both_questions_over_the_reused_cache_and_plumb_answers_
 def test_the_exact_only_follow_up_prefills_the_conversation_afresh_and_a_resumed_run_adds_it(tmp_path):
     model, maps = model_maps_and_code_docs(tmp_path)
     opts = F.FactOptions(docs=(str(tmp_path / "docs"),), lengths=(900,), samples=1, tails=(128,),
-                         arms=("plumb", "ridge+probe"), fmt="completion", threads=2, flash_attn=False)
+                         arms=("plumb", "ridge+probe", "ridge+random:probe"), fmt="completion", threads=2,
+                         flash_attn=False)
     first = F.run_facts(model, [maps], tmp_path / "out", opts, log=lambda _: None)
     assert set(first["configs"]["S1-T128"]["turns"]) == {"first", "follow_up"}
     opts.exact_only_follow_up = True
@@ -81,7 +82,7 @@ def test_the_exact_only_follow_up_prefills_the_conversation_afresh_and_a_resumed
     sample = json.loads((tmp_path / "out" / "samples.jsonl").read_text().splitlines()[0])
     answers = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     by = {a["arm"]: a for a in answers}  # the resumed run's rows come last
-    assert len(answers) == 6 and all("score_follow_up_exact_only" in by[a] for a in ("exact", "plumb", "ridge+probe"))
+    assert len(answers) == 8 and all("score_follow_up_exact_only" in by[a] for a in ("exact", "plumb", "ridge+probe"))
     exact, plumb, probe = by["exact"], by["plumb"], by["ridge+probe"]
     assert exact["pred_follow_up_exact_only"] == exact["pred_follow_up"]  # a stock cache is exact: all of it stays
     assert plumb["pred_follow_up_exact_only"] == exact["pred_follow_up"]
@@ -89,8 +90,10 @@ def test_the_exact_only_follow_up_prefills_the_conversation_afresh_and_a_resumed
     assert probe["stats_exact_only"]["applied"] == 1
     again = probe["stats_exact_only"]
     assert again["n_filled"] + again["n_exact"] + again["n_tail"] > probe["reused"] > probe["stats"]["n_tail"]
-    for f, m in zip(sample["facts"], probe["mechanisms_exact_only"]):
-        assert sum(m.values()) == f["rows"][1] - f["rows"][0]
+    assert again["n_probe_exact"] > 0  # the probe ranked the conversation's rows for the new question
+    # the random control matches the rows the probe chose in the same prefill, not in the first
+    rand = by["ridge+random:probe"]
+    assert rand["stats_exact_only"]["n_exact"] == again["n_exact"] and rand["stats_exact_only"]["n_probe_exact"] == 0
     assert set(r["configs"]["S1-T128"]["turns"]) == {"first", "follow_up", "follow_up_exact_only"}
     assert "| S1-T128 | follow_up_exact_only |" in (tmp_path / "out" / "summary.md").read_text()
 

@@ -43,5 +43,20 @@ def test_the_pareto_join_marks_the_configurations_no_other_beats_in_both_speed_a
 def test_eval_pareto_refuses_a_bench_and_study_with_nothing_in_common(tmp_path):
     bench = tmp_path / "b.json"
     bench.write_text(json.dumps({**bench_result({"plain": 2.0, "probe": 1.4}), "tail": 4096}))
+    curves = {"m.gguf": {"needles": [needles(15, "ridge", None, -0.6), needles(15, "ridge+probe", 1.0, -0.02)]}}
     with pytest.raises(ValueError, match="join is by tail, probe rows and budget factor"):
-        run_pareto([bench], A.load_curves()["models"], tmp_path / "out")
+        run_pareto([bench], curves, tmp_path / "out")
+
+
+def test_a_budget_of_zero_is_its_own_point_and_each_bench_keeps_its_own_panels(tmp_path):
+    benches = []
+    for name, speedups in (("a", {"plain": 2.1, "probe": 1.5, "probe@0": 2.0}), ("b", {"plain": 1.8, "probe": 1.3})):
+        benches.append(tmp_path / f"{name}.json")
+        benches[-1].write_text(json.dumps({**bench_result(speedups), "model": f"/x/{name}.gguf", "split": 13}))
+    curves = {"m.gguf": {"needles": [needles(15, "ridge", None, -0.6), needles(15, "ridge+probe", 1.0, -0.02),
+                                     needles(15, "ridge+probe", 0.0, -0.5)]}}
+    first, second = run_pareto(benches, curves, tmp_path / "out")["panels"]
+    # the probe at budget 0 is its own point, not the server's budget
+    assert {(p["probe_rows"], p["budget"]): p["speedup"] for p in first["points"]} == \
+        {(0, 0.0): 2.1, (256, 1.0): 1.5, (256, 0.0): 2.0}
+    assert (first["speed_from"], second["speed_from"]) == ("a.gguf, split 13", "b.gguf, split 13")

@@ -265,23 +265,86 @@ def _documents(opts: FactOptions) -> list[tuple[str, str, str]]:
     return [docs[i] for i in range(max(map(len, lists))) for docs in lists if i < len(docs)]
 
 
+STATS_KEPT = ("applied", "n_filled", "n_exact", "n_tail", "n_probe_exact", "n_lexical", "n_whole_numbers", "n_budget",
+              "reason")
+
+
+class FactConversations:
+    """One engine session asking each sample's questions, per arm: the first question, the follow-up over the cache
+    the first answer left and, when asked for, the follow-up as --ridgefill-reuse exact-only serves it."""
+
+    def __init__(self, sess, builder: "FactPromptBuilder", opts: FactOptions):
+        self.sess, self.builder, self.opts = sess, builder, opts
+
+    def follow_up_tokens(self, sample: FactSample, document: str, pred: str) -> list[int]:
+        f1, f2 = sample.facts[sample.asked], sample.facts[sample.follow_up]
+        return self.sess.tokenize(self.builder.follow_up(document, f1["question"], pred, f2["question"]),
+                                  special=True)
+
+    def first_turn(self, sample: FactSample, tokens: list[int], document: str, params: dict | None) -> dict:
+        """Both questions, the follow-up over the cache the first answer left, with what kept the facts exact."""
+        sess = self.sess
+        if params is None:
+            logits, _ = sess.stock(tokens)
+            st = {}
+        else:
+            logits, _, st = sess.ridgefill(tokens, **params)
+        out1, _ = sess.follow(logits, len(tokens), MAX_NEW)
+        pred1 = sess.detokenize(out1)
+        tokens2 = self.follow_up_tokens(sample, document, pred1)
+        cached = tokens + (out1[:-1] if len(out1) == MAX_NEW else out1)
+        logits2, reused = sess.extend(cached, tokens2)
+        pred2 = sess.detokenize(sess.greedy(logits2, len(tokens2), MAX_NEW))
+        r = {"pred": pred1, "pred_follow_up": pred2, "reused": reused,
+             "score": answered(pred1, sample.facts[sample.asked]["answer"]),
+             "score_follow_up": answered(pred2, sample.facts[sample.follow_up]["answer"])}
+        return {**r, **self.prefill_record(sample, tokens, st, "")}
+
+    def exact_only_turn(self, sample: FactSample, document: str, r: dict, params_for) -> dict:
+        """The follow-up after the first answer r["pred"] as --ridgefill-reuse exact-only serves it: a fresh prefill
+        of the conversation with the arm's parameters for its length (params_for(n) -> params, or None for stock,
+        whose exact cache that policy keeps whole)."""
+        tokens2 = self.follow_up_tokens(sample, document, r["pred"])
+        params = params_for(len(tokens2))
+        if params is None:
+            return {"pred_follow_up_exact_only": r["pred_follow_up"],
+                    "score_follow_up_exact_only": r["score_follow_up"]}
+        logits, _, st = self.sess.ridgefill(tokens2, **params)
+        pred = self.sess.detokenize(self.sess.greedy(logits, len(tokens2), MAX_NEW))
+        return {"pred_follow_up_exact_only": pred,
+                "score_follow_up_exact_only": answered(pred, sample.facts[sample.follow_up]["answer"]),
+                **self.prefill_record(sample, tokens2, st, "_exact_only")}
+
+    def prefill_record(self, sample: FactSample, tokens: list[int], st: dict, suffix: str) -> dict:
+        """A prefill's statistics and, where RidgeFill ran, what kept each fact's rows exact."""
+        from ..select import rules
+        from ..select.pieces import prompt_pieces
+
+        out = {"stats" + suffix: {k: st[k] for k in STATS_KEPT if k in st}}
+        if st.get("applied"):
+            pieces, breaks = prompt_pieces(self.sess.llama_cpp, self.sess.llm.model, tokens[:-1])
+            prefix = len(tokens) - 1 - st["n_tail"]
+            lexical = set(rules.lexical_rows(pieces, breaks, prefix))
+            digits = set(rules.digit_rows(pieces, breaks, prefix))
+            special = {0} | {i for i, b in enumerate(breaks) if b}
+            out["mechanisms" + suffix] = [mechanism_counts(f["rows"], st, prefix, lexical, digits, special)
+                                          for f in sample.facts]
+        return out
+
+
 def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str], None] = print) -> dict:
     from pathlib import Path
 
     from .. import libs
     from ..engine.session import Session
     from ..gguf_io import read_gguf
-    from ..select import rules
-    from ..select.pieces import prompt_pieces
-    from ..util import write_atomic
-    from .arms import arm_params, parse_arms, selected
-    from .documents import append_jsonl, load_jsonl
+    from .arms import parse_arms
+    from .documents import load_jsonl
 
     arms = parse_arms(opts.arms, follows=True)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results_path = out_dir / "results.jsonl"
-    done = {(r["sample"], r["config"], r["arm"]): r for r in load_jsonl(results_path)}
+    done = {(r["sample"], r["config"], r["arm"]): r for r in load_jsonl(out_dir / "results.jsonl")}
     splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
     docs = [d for d in _documents(opts) if len(d[2]) > 4 * max(opts.lengths)]
     if not docs:
@@ -290,118 +353,92 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
     sess = Session(model, n_ctx=max(opts.lengths) + 3 * MAX_NEW + 256, n_batch=512, n_ubatch=512,
                    flash_attn=opts.flash_attn, n_threads=opts.threads, n_gpu_layers=opts.n_gpu_layers)
     fmt = opts.fmt if opts.fmt != "auto" else ("chat" if sess.chat_template() else "completion")
-    builder = FactPromptBuilder(lambda t: sess.tokenize(t, special=True), sess.apply_chat if fmt == "chat" else None)
-
-    def first_turn(sample: FactSample, tokens: list[int], document: str, params: dict | None) -> tuple[dict, dict]:
-        """Both questions, the follow-up over the cache the first answer left: (answers, the prefill's stats)."""
-        if params is None:
-            logits, _ = sess.stock(tokens)
-            st = {}
-        else:
-            logits, _, st = sess.ridgefill(tokens, **params)
-        out1, _ = sess.follow(logits, len(tokens), MAX_NEW)
-        pred1 = sess.detokenize(out1)
-        f1, f2 = sample.facts[sample.asked], sample.facts[sample.follow_up]
-        tokens2 = sess.tokenize(builder.follow_up(document, f1["question"], pred1, f2["question"]), special=True)
-        cached = tokens + (out1[:-1] if len(out1) == MAX_NEW else out1)
-        logits2, reused = sess.extend(cached, tokens2)
-        pred2 = sess.detokenize(sess.greedy(logits2, len(tokens2), MAX_NEW))
-        return {"pred": pred1, "pred_follow_up": pred2, "reused": reused, "score": answered(pred1, f1["answer"]),
-                "score_follow_up": answered(pred2, f2["answer"])}, st
-
-    def exact_only_turn(sample: FactSample, document: str, r: dict, params: dict | None):
-        """The follow-up after the first answer r["pred"] as --ridgefill-reuse exact-only serves it: (answers, the
-        fresh prefill's stats, its tokens); a stock prefill's cache is exact, so exact-only reuse keeps all of it."""
-        if params is None:
-            return {"pred_follow_up_exact_only": r["pred_follow_up"],
-                    "score_follow_up_exact_only": r["score_follow_up"]}, None, None
-        f1, f2 = sample.facts[sample.asked], sample.facts[sample.follow_up]
-        tokens2 = sess.tokenize(builder.follow_up(document, f1["question"], r["pred"], f2["question"]), special=True)
-        logits, _, st = sess.ridgefill(tokens2, **params)
-        pred = sess.detokenize(sess.greedy(logits, len(tokens2), MAX_NEW))
-        return {"pred_follow_up_exact_only": pred, "score_follow_up_exact_only": answered(pred, f2["answer"])}, st, \
-            tokens2
-
-    def fact_rows(sample: FactSample, tokens: list[int], st: dict) -> list[dict]:
-        """What kept each fact's rows exact in a prefill of tokens that RidgeFill applied to."""
-        pieces, breaks = prompt_pieces(sess.llama_cpp, sess.llm.model, tokens[:-1])
-        prefix = len(tokens) - 1 - st["n_tail"]
-        lexical = set(rules.lexical_rows(pieces, breaks, prefix))
-        digits = set(rules.digit_rows(pieces, breaks, prefix))
-        special = {0} | {i for i, b in enumerate(breaks) if b}
-        return [mechanism_counts(f["rows"], st, prefix, lexical, digits, special) for f in sample.facts]
-
-    def kept_stats(st: dict) -> dict:
-        return {k: st[k] for k in ("applied", "n_filled", "n_exact", "n_tail", "n_probe_exact", "n_lexical",
-                                   "n_whole_numbers", "n_budget", "reason") if k in st}
-
+    talk = FactConversations(sess, FactPromptBuilder(lambda t: sess.tokenize(t, special=True),
+                                                     sess.apply_chat if fmt == "chat" else None), opts)
     samples: list[FactSample] = []
-    whole = opts.shard == (0, 1)
-    result: dict = {}
+    indices = range(opts.shard[0], opts.samples, opts.shard[1])
     try:
         for length in opts.lengths:
-            for index in range(opts.shard[0], opts.samples, opts.shard[1]):
+            for index in indices:
                 name, dom, text = docs[index % len(docs)]
-                sample, tokens, document = builder.build(name, dom, text, length, index, opts.seed)
+                sample, tokens, document = talk.builder.build(name, dom, text, length, index, opts.seed)
                 samples.append(sample)
-                jobs = [("exact", None, None, None)] + [
-                    (f"S{split}-T{tail}", m, tail, arm) for m, split in splits.items() for tail in opts.tails
-                    for arm in arms]
-                counts: dict = {}
-                marks = []
-                for config, m, tail, arm in jobs:
-                    key = (sample.sample_id, config, "exact" if arm is None else arm.name)
-                    # a run resumed with the exact-only follow-up adds it to the answers it has
-                    add = opts.exact_only_follow_up and "score_follow_up_exact_only" not in done.get(key, {})
-                    if key not in done or add:
-                        params = None
-                        if arm is not None:
-                            sess.attach(m)
-                            params = {**arm_params(arm, len(tokens), tail, opts.selectors, counts.get(config, {})),
-                                      "tail": tail, "min_prefix": 0}
-                        if key in done:
-                            r = dict(done[key])
-                        else:
-                            r, st = first_turn(sample, tokens, document, params)
-                            if st.get("applied"):
-                                r["mechanisms"] = fact_rows(sample, tokens, st)
-                            r["stats"] = kept_stats(st)
-                        if add:
-                            fields, st, tokens2 = exact_only_turn(sample, document, r, params)
-                            r.update(fields)
-                            if st is not None:
-                                if st.get("applied"):
-                                    r["mechanisms_exact_only"] = fact_rows(sample, tokens2, st)
-                                r["stats_exact_only"] = kept_stats(st)
-                        r.update(sample=sample.sample_id, config=config, arm=key[2])
-                        append_jsonl(results_path, r)
-                        done[key] = r
-                    if arm is not None and arm.selector:
-                        counts.setdefault(config, {})[arm.selector] = selected(done[key]["stats"], arm.selector)
-                    marks.append(f"{key[1]} {key[2]} {done[key]['score']:.0f}/{done[key]['score_follow_up']:.0f}")
-                log(f"eval facts: sample {len(samples)}/{len(opts.lengths) * opts.samples} ({sample.domain}, "
+                asked, marks = answer_sample(talk, sample, tokens, document, arms, splits, done, out_dir)
+                log(f"eval facts: sample {len(samples)}/{len(opts.lengths) * len(indices)} ({sample.domain}, "
                     f"{sample.n_tokens} tokens): " + ", ".join(marks))
-                if whole:
-                    write_atomic(out_dir / "samples.jsonl", "".join(json.dumps(s.__dict__) + "\n" for s in samples))
-                    # the summary so far, so that a run a deadline cuts still has one
-                    result = write_facts_summary(out_dir, samples, list(done.values()), model, maps, splits, opts,
-                                                 fmt)
+                # a whole run keeps its samples and summary as it goes, so that a run a deadline cuts has them
+                if opts.shard == (0, 1) and asked:
+                    write_facts_summary(out_dir, samples, list(done.values()), model, maps, splits, opts, fmt)
     finally:
         sess.close()
-    return result
+    if opts.shard != (0, 1):
+        return {}
+    return write_facts_summary(out_dir, samples, list(done.values()), model, maps, splits, opts, fmt)
+
+
+def answer_sample(talk: FactConversations, sample: FactSample, tokens: list[int], document: str, arms: list,
+                  splits: dict, done: dict, out_dir) -> tuple[bool, list[str]]:
+    """Every arm's answers to one sample that `done` lacks (appended to results.jsonl and kept in done); a run
+    resumed with the exact-only follow-up adds it to the answers it has. (whether any was asked, progress marks)"""
+    from .arms import arm_params, selected
+    from .documents import append_jsonl
+
+    opts = talk.opts
+    jobs = [("exact", None, None, None)] + [(f"S{split}-T{tail}", m, tail, arm) for m, split in splits.items()
+                                            for tail in opts.tails for arm in arms]
+    counts: dict = {}  # per config and prefill (first, exact-only): the rows each selector chose, for its controls
+    asked, marks = False, []
+    for config, m, tail, arm in jobs:
+        key = (sample.sample_id, config, "exact" if arm is None else arm.name)
+        add = opts.exact_only_follow_up and "score_follow_up_exact_only" not in done.get(key, {})
+
+        def params_for(n: int, turn: str = "first") -> dict | None:
+            if arm is None:
+                return None
+            talk.sess.attach(m)
+            return {**arm_params(arm, n, tail, opts.selectors, counts.get((config, turn), {})), "tail": tail,
+                    "min_prefix": 0}
+
+        if key not in done or add:
+            r = dict(done[key]) if key in done else talk.first_turn(sample, tokens, document, params_for(len(tokens)))
+            if add:
+                r.update(talk.exact_only_turn(sample, document, r, lambda n: params_for(n, "exact_only")))
+            r.update(sample=sample.sample_id, config=config, arm=key[2])
+            append_jsonl(out_dir / "results.jsonl", r)
+            done[key], asked = r, True
+        if arm is not None and arm.selector:
+            for turn, suffix in (("first", ""), ("exact_only", "_exact_only")):
+                if "stats" + suffix in done[key]:
+                    counts.setdefault((config, turn), {})[arm.selector] = selected(done[key]["stats" + suffix],
+                                                                                   arm.selector)
+        marks.append(f"{key[1]} {key[2]} {done[key]['score']:.0f}/{done[key]['score_follow_up']:.0f}")
+    return asked, marks
 
 
 def write_facts_summary(out_dir, samples: list[FactSample], answers: list[dict], model, maps: list, splits: dict,
                         opts: FactOptions, fmt: str) -> dict:
-    from ..util import hardware
+    from pathlib import Path
+
+    from ..util import hardware, write_atomic
     from .documents import write_summary
 
+    write_atomic(Path(out_dir) / "samples.jsonl", "".join(json.dumps(s.__dict__) + "\n" for s in samples))
     result = summarize(samples, answers, splits, opts)
     result.update(instrument="eval facts", hardware=hardware(), model=str(model), maps=[str(m) for m in maps],
                   format=fmt, options={k: v for k, v in opts.__dict__.items() if k != "selectors"},
                   selectors=opts.selectors.__dict__)
     write_summary(out_dir, result, markdown(result), plot)
     return result
+
+
+def paired_scores(samples: list[FactSample], by: dict, config: str, arm: str, field: str, fact: str,
+                  tail: int) -> tuple[list[FactSample], list[dict], list[float]]:
+    """The samples whose fact (asked or follow_up) lies before the tail and that exact and the arm both answered
+    (the score field), the arm's answers, and its score minus exact's on each."""
+    got = [s for s in samples if s.filled_region(tail, getattr(s, fact))
+           and field in by.get((s.sample_id, "exact", "exact"), {}) and field in by.get((s.sample_id, config, arm), {})]
+    rows = [by[(s.sample_id, config, arm)] for s in got]
+    return got, rows, [r[field] - by[(s.sample_id, "exact", "exact")][field] for s, r in zip(got, rows)]
 
 
 def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts: FactOptions) -> dict:
@@ -420,20 +457,17 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                 if turn == "follow_up_exact_only" and not opts.exact_only_follow_up:
                     continue
                 usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
-                          and (s.sample_id, "exact", "exact") in by]
+                          and field in by.get((s.sample_id, "exact", "exact"), {})]
                 exact = [by[(s.sample_id, "exact", "exact")][field] for s in usable]
                 arms = {"exact": {"accuracy": mean_or_none(exact)}}
                 for arm in opts.arms:
-                    got = [s for s in usable if (s.sample_id, name, arm) in by]
-                    rows = [by[(s.sample_id, name, arm)] for s in got]
+                    got, rows, diffs = paired_scores(samples, by, name, arm, field, fact, tail)
                     mech = dict.fromkeys(MECHANISMS, 0)
                     for s, r in zip(got, rows):
                         for k, v in (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)].items():
                             mech[k] += v
                     arms[arm] = {"accuracy": mean_or_none([r[field] for r in rows]), "samples": len(rows),
-                                 "delta": bootstrap_mean([r[field] - by[(s.sample_id, "exact", "exact")][field]
-                                                          for s, r in zip(got, rows)], strata=[s.domain for s in got]),
-                                 "fact_rows": mech}
+                                 "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech}
                 table[turn] = {"samples": len(usable), "arms": arms}
             configs[name] = {"split": split, "tail": tail, "turns": table}
     return {"configs": configs, "n_samples": len(samples),

@@ -22,8 +22,8 @@ def speed_points(bench: dict) -> dict[tuple, dict[int, float]]:
             out.setdefault((tail, 0, 0.0), {})[row["tokens"]] = row["speedup"]
     for x in bench.get("selectors") or []:
         if x["placement"] == "resident" and x["selector"].partition("@")[0] == "probe":
-            key = (tail, x["probe_rows"], x.get("budget_factor") or SERVER_BUDGET)
-            out.setdefault(key, {})[x["tokens"]] = x["speedup_vs_exact"]
+            budget = SERVER_BUDGET if x.get("budget_factor") is None else x["budget_factor"]
+            out.setdefault((tail, x["probe_rows"], budget), {})[x["tokens"]] = x["speedup_vs_exact"]
     return out
 
 
@@ -31,21 +31,16 @@ def quality_points(model_curves: dict) -> dict[tuple, dict[tuple, dict]]:
     """{(tail, probe rows, budget factor): {(split, measure): test entry}} for one model's curves (advise's form):
     measures "needles", and "facts first" / "facts follow_up" / ... where there are facts runs. Probe runs other than
     the default in more than budget and probe rows are left out; of several runs, the one with the most samples."""
-    from ..advise import DEFAULT_PROBE
+    from ..advise import default_like
 
-    out: dict[tuple, dict[str, dict]] = {}
+    out: dict[tuple, dict[tuple, dict]] = {}
     entries = [("needles", e) for e in model_curves.get("needles", [])] + \
               [(f"facts {e['turn']}", e) for e in model_curves.get("facts", [])]
     for measure, e in entries:
-        if e["arm"] == "ridge":
-            key = (e["tail"], 0, 0.0)
-        elif e["arm"] == "ridge+probe" and e["probe"] and all(
-                e["probe"][k] == v for k, v in DEFAULT_PROBE.items() if k not in ("budget", "probe_rows")):
-            key = (e["tail"], e["probe"]["probe_rows"], float(e["probe"]["budget"]))
-        else:
+        if e["arm"] not in ("ridge", "ridge+probe") or not default_like(e, free=("budget", "probe_rows")):
             continue
-        if "tasks" in e and len(e["tasks"] or []) < 4:
-            continue  # a subset of the needle tasks speaks for that subset only
+        key = (e["tail"], 0, 0.0) if e["arm"] == "ridge" else \
+            (e["tail"], e["probe"]["probe_rows"], float(e["probe"]["budget"]))
         best = out.setdefault(key, {}).get((e["split"], measure))
         if best is None or e["n"] > best["n"]:
             out[key][(e["split"], measure)] = e
@@ -62,22 +57,12 @@ def frontier(points: list[dict]) -> None:
 
 def run_pareto(benches: list[Path], curves: dict, out_dir: Path) -> dict:
     """Join every bench with every model's curves; write pareto.json, pareto.md and pareto.png under out_dir."""
-    speed: dict[tuple, dict[int, float]] = {}
-    for b in benches:
-        for key, by_n in speed_points(json.loads(Path(b).read_text())).items():
-            speed.setdefault(key, {}).update(by_n)
     panels = []
-    for model, c in curves.items():
-        quality = quality_points(c)
-        for split, measure in sorted({m for q in quality.values() for m in q}):
-            for n in sorted({n for by_n in speed.values() for n in by_n}):
-                pts = [{"tail": k[0], "probe_rows": k[1], "budget": k[2], "speedup": speed[k][n],
-                        **{f: quality[k][(split, measure)][f] for f in ("n", "mean", "bound")},
-                        "run": quality[k][(split, measure)]["run"]}
-                       for k in sorted(speed) if n in speed[k] and (split, measure) in quality.get(k, {})]
-                if len(pts) > 1:
-                    frontier(pts)
-                    panels.append({"model": model, "split": split, "measure": measure, "tokens": n, "points": pts})
+    for b in benches:
+        bench = json.loads(Path(b).read_text())
+        speed_from = f"{Path(bench.get('model', b)).name}, split {bench.get('split', '?')}"
+        for model, c in curves.items():
+            panels += join(speed_points(bench), quality_points(c), model, speed_from)
     if not panels:
         raise ValueError("no two configurations have both a speed (bench) and a quality (study) measurement: the "
                          "join is by tail, probe rows and budget factor")
@@ -90,6 +75,23 @@ def run_pareto(benches: list[Path], curves: dict, out_dir: Path) -> dict:
     return result
 
 
+def join(speed: dict[tuple, dict[int, float]], quality: dict[tuple, dict[tuple, dict]], model: str,
+         speed_from: str) -> list[dict]:
+    """A panel per quality split, measure and bench length with at least two configurations measured both ways."""
+    panels = []
+    for split, measure in sorted({m for q in quality.values() for m in q}):
+        for n in sorted({n for by_n in speed.values() for n in by_n}):
+            pts = [{"tail": k[0], "probe_rows": k[1], "budget": k[2], "speedup": speed[k][n],
+                    **{f: quality[k][(split, measure)][f] for f in ("n", "mean", "bound")},
+                    "run": quality[k][(split, measure)]["run"]}
+                   for k in sorted(speed) if n in speed[k] and (split, measure) in quality.get(k, {})]
+            if len(pts) > 1:
+                frontier(pts)
+                panels.append({"model": model, "split": split, "measure": measure, "tokens": n,
+                               "speed_from": speed_from, "points": pts})
+    return panels
+
+
 def label(p: dict) -> str:
     return "plain" if p["budget"] == 0 else f"probe {p['probe_rows']}, budget {p['budget']:g}"
 
@@ -99,7 +101,8 @@ def markdown(r: dict) -> str:
              "Speed: time to first token over exact (bench, resident maps); quality: difference from exact, points "
              "(mean, with the one-sided 95% lower bound), on the filled region. * = on the Pareto frontier.", ""]
     for p in r["panels"]:
-        lines += [f"## {p['model']}, split {p['split']}: {p['measure']}, speed at {p['tokens']:,} tokens", "",
+        lines += [f"## {p['model']}, split {p['split']}: {p['measure']}; speed of {p['speed_from']} at "
+                  f"{p['tokens']:,} tokens", "",
                   "| tail | configuration | speedup | Δ vs exact (bound) | samples | frontier | run |",
                   "|---|---|---|---|---|---|---|"]
         for x in sorted(p["points"], key=lambda x: -x["speedup"]):

@@ -18,7 +18,7 @@ from ..util import save_figure, write_atomic
 from .agreement import summarize as summarize_agreement
 from .documents import document_mean, load_jsonl
 from .facts import TURNS as FACT_TURNS
-from .facts import FactSample
+from .facts import FactSample, paired_scores
 from .needles import Sample
 from .nll import summarize as summarize_nll
 from .stats import bootstrap_mean, noninferiority
@@ -192,13 +192,10 @@ def fact_tests(samples: list[FactSample], answers: list[dict], config: str, tail
     arms = sorted({a["arm"] for a in answers if a["config"] == config})
     out: dict = {}
     for turn, field, fact, _ in FACT_TURNS:
-        usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
-                  and field in by.get((s.sample_id, "exact", "exact"), {})]
         for arm in arms:
-            got = [s for s in usable if field in by.get((s.sample_id, config, arm), {})]
+            got, _, d = paired_scores(samples, by, config, arm, field, fact, tail)
             if not got:
                 continue
-            d = [by[(s.sample_id, config, arm)][field] - by[(s.sample_id, "exact", "exact")][field] for s in got]
             domains = [s.domain for s in got]
             out.setdefault(turn, {})[arm] = {**noninferiority(d, MARGIN, strata=domains),
                                              "delta": bootstrap_mean(d, strata=domains),
