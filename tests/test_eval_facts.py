@@ -121,3 +121,17 @@ def test_facts_shards_answer_their_own_samples_and_a_whole_run_after_them_only_s
     before_tail = sum(s.filled_region(128, s.asked) for s in samples)
     assert runs["turns"]["first"]["ridge"]["n"] == before_tail > 0
     assert "Facts asked in other words" in (tmp_path / "report" / "study.md").read_text()
+
+
+def test_a_document_whose_token_rate_jumps_still_makes_a_prompt_of_about_the_asked_length():
+    # a fake tokenizer: four letters a token, every digit a token; prose first, then a long table of numbers
+    def tokenize(text: str) -> list[int]:
+        digits = sum(c.isdigit() for c in text)
+        return [0] * (digits + (len(text) - digits) // 4)
+
+    prose = "The committee met again in the spring and read the reports aloud.\n\n" * 300
+    table = "".join(f"{i:06d} {i * 7 % 999983:06d}\n" for i in range(40000))
+    builder = F.FactPromptBuilder(tokenize, None)
+    for length in (3072, 8192):
+        sample, tokens, _ = builder.build("table.txt", "legal", prose + table, length, 0, 0)
+        assert 0.97 * length <= len(tokens) <= 1.02 * length, (length, len(tokens))

@@ -158,6 +158,26 @@ class FactPromptBuilder:
                               {"role": "assistant", "content": answer}, {"role": "user", "content": again}])
         return f"{self.first(document, question)}{answer}\n{again}\nAnswer:"
 
+    def opening(self, text: str, cut: int, length: int, overhead: int) -> str:
+        """The document's opening that makes a prompt of about `length` tokens with `overhead` more, from a first
+        guess of its length in characters. The tokenizer's rate varies along a document, so the cut is rescaled
+        three times; where a rate changes too much for that (tables, numbers) and the prompt is still more than 2%
+        off, the longest opening that fits is found by bisection."""
+        def size(c: int) -> int:
+            return len(self.tokenize(text[:c])) + overhead
+
+        for _ in range(3):
+            cut = int(cut * length / max(size(cut), 1))
+        if 0.97 * length <= size(cut) <= 1.02 * length:
+            return text[:cut]
+        lo, hi = 0, min(len(text), 4 * max(cut, 1))
+        if size(hi) <= length:
+            return text[:hi]
+        while hi - lo > 8:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if size(mid) <= length else (lo, mid)
+        return text[:lo]
+
     def build(self, name: str, domain: str, text: str, length: int, index: int, seed: int
               ) -> tuple[FactSample, list[int], str]:
         rng = random.Random(f"{seed}/{name}/{length}/{index}")
@@ -167,12 +187,7 @@ class FactPromptBuilder:
         # the document's opening, cut to leave room for the facts and the question
         overhead = len(self.tokenize(self.first("\n".join(f.text for f in facts), question)))
         per_char = len(self.tokenize(text[:20000])) / max(len(text[:20000]), 1)
-        cut = int((length - overhead) / max(per_char, 1e-6))
-        document = text[:cut]
-        for _ in range(3):  # the tokenizer's rate varies along a document
-            n = len(self.tokenize(document)) + overhead
-            cut = int(cut * length / max(n, 1))
-            document = text[:cut]
+        document = self.opening(text, int((length - overhead) / max(per_char, 1e-6)), length, overhead)
         spots = boundaries(document) or [len(document)]
         at = sorted(rng.sample(spots, min(len(facts), len(spots))) if len(spots) >= len(facts)
                     else [rng.choice(spots) for _ in facts])
@@ -350,7 +365,8 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
     if not docs:
         raise ValueError(f"no document is long enough for {max(opts.lengths)} tokens")
     libs.use_build("ridgefill")
-    sess = Session(model, n_ctx=max(opts.lengths) + 3 * MAX_NEW + 256, n_batch=512, n_ubatch=512,
+    # a prompt may be 2% over its length (opening), then two answers and the follow-up question
+    sess = Session(model, n_ctx=int(1.02 * max(opts.lengths)) + 3 * MAX_NEW + 256, n_batch=512, n_ubatch=512,
                    flash_attn=opts.flash_attn, n_threads=opts.threads, n_gpu_layers=opts.n_gpu_layers)
     fmt = opts.fmt if opts.fmt != "auto" else ("chat" if sess.chat_template() else "completion")
     talk = FactConversations(sess, FactPromptBuilder(lambda t: sess.tokenize(t, special=True),
