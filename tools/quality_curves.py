@@ -20,7 +20,7 @@ from ridgefill_gguf.util import write_atomic  # noqa: E402
 
 def build() -> str:
     reports = sorted(ROOT.glob("results/eval/*/report/study.json"))
-    old = advise.load_curves() if advise.PACKAGED.exists() else {}
+    old = advise.load_curves()["models"] if advise.PACKAGED.exists() else {}
     names = {m for r in reports for m in json.loads(r.read_text())}
     sigs = {m: advise.signature(ROOT / "models" / m) if (ROOT / "models" / m).exists()
             else (old.get(m) or {}).get("signature") for m in names}
