@@ -469,20 +469,20 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
         for tail in opts.tails:
             name = f"S{split}-T{tail}"
             table = {}
-            for turn, field, fact, mech_field in TURNS:
+            for turn, score, fact, mech_field in TURNS:
                 if turn == "follow_up_exact_only" and not opts.exact_only_follow_up:
                     continue
                 usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
-                          and field in by.get((s.sample_id, "exact", "exact"), {})]
-                exact = [by[(s.sample_id, "exact", "exact")][field] for s in usable]
+                          and score in by.get((s.sample_id, "exact", "exact"), {})]
+                exact = [by[(s.sample_id, "exact", "exact")][score] for s in usable]
                 arms = {"exact": {"accuracy": mean_or_none(exact)}}
                 for arm in opts.arms:
-                    got, rows, diffs = paired_scores(samples, by, name, arm, field, fact, tail)
+                    got, rows, diffs = paired_scores(samples, by, name, arm, score, fact, tail)
                     mech = dict.fromkeys(MECHANISMS, 0)
                     for s, r in zip(got, rows):
                         for k, v in (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)].items():
                             mech[k] += v
-                    arms[arm] = {"accuracy": mean_or_none([r[field] for r in rows]), "samples": len(rows),
+                    arms[arm] = {"accuracy": mean_or_none([r[score] for r in rows]), "samples": len(rows),
                                  "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech}
                 table[turn] = {"samples": len(usable), "arms": arms}
             configs[name] = {"split": split, "tail": tail, "turns": table}

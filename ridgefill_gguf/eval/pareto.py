@@ -31,15 +31,15 @@ def quality_points(model_curves: dict) -> dict[tuple, dict[tuple, dict]]:
     """{(tail, probe rows, budget factor): {(split, measure): test entry}} for one model's curves (advise's form):
     measures "needles", and "facts first" / "facts follow_up" / ... where there are facts runs. Probe runs other than
     the default in more than budget and probe rows are left out; of several runs, the one with the most samples."""
-    from ..advise import default_like
+    from ..advise import ARMS, default_like
 
     out: dict[tuple, dict[tuple, dict]] = {}
     entries = [("needles", e) for e in model_curves.get("needles", [])] + \
               [(f"facts {e['turn']}", e) for e in model_curves.get("facts", [])]
     for measure, e in entries:
-        if e["arm"] not in ("ridge", "ridge+probe") or not default_like(e, free=("budget", "probe_rows")):
+        if e["arm"] not in ARMS or not default_like(e, free=("budget", "probe_rows")):
             continue
-        key = (e["tail"], 0, 0.0) if e["arm"] == "ridge" else \
+        key = (e["tail"], 0, 0.0) if ARMS[e["arm"]] is None else \
             (e["tail"], e["probe"]["probe_rows"], float(e["probe"]["budget"]))
         best = out.setdefault(key, {}).get((e["split"], measure))
         if best is None or e["n"] > best["n"]:
