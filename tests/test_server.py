@@ -366,14 +366,44 @@ def test_the_exact_only_policy_keeps_ridgefill_requests_off_approximated_cells_a
         server_policy = srv.complete(PROMPT, n_predict=4, cache_prompt=True)
         request_any = srv.complete(PROMPT, n_predict=4, cache_prompt=True, ridgefill_reuse="any")
     n = allowed["timings"]["prompt_n"] + allowed["timings"]["cache_n"]
-    k = refused["timings"]["cache_n"]
+    # the rows after the first approximated one whose cells stay are prefilled again from their held split state
+    k = refused["timings"]["cache_n"] - refused["timings"]["ridgefill"]["resumed"]
     assert allowed["timings"]["cache_n"] == n - 1 and allowed["timings"]["ridgefill"]["approx_reused"] == n - 1 - k
     # exact-only: the RidgeFill request re-prefills from the first approximated row, RidgeFill included
     assert 0 < k < n // 2 and refused["timings"]["ridgefill"]["filled"] > 0
     assert "approx_reused" not in refused["timings"]["ridgefill"]
     assert total == n - 1 - k
-    assert server_policy["timings"]["cache_n"] == k
+    assert server_policy["timings"]["cache_n"] - server_policy["timings"]["ridgefill"]["resumed"] == k
     assert request_any["timings"]["ridgefill"]["approx_reused"] > 0
+
+
+FOLLOW_UP = " And a follow-up question about the document, asked in other words, comes after the first answer." * 3
+
+
+def test_an_exact_only_follow_up_resumes_from_the_held_split_state_and_answers_as_one_that_cannot(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    log = d / "resume.log"
+    ask = dict(n_predict=4, n_probs=5, cache_prompt=True, ridgefill_reuse="exact-only")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, slots=2, log_path=log) as srv:
+        srv.complete(PROMPT, n_predict=4, id_slot=0)
+        resumed = srv.complete(PROMPT + FOLLOW_UP, id_slot=0, **ask)
+        srv.complete(PROMPT, n_predict=4, id_slot=0)
+        srv.complete(OTHER, n_predict=2, id_slot=1)  # another RidgeFill prefill: the engine holds its rows now
+        fresh = srv.complete(PROMPT + FOLLOW_UP, id_slot=0, **ask)
+        stock = srv.complete(PROMPT + FOLLOW_UP, n_predict=4, n_probs=5, ridgefill=False, cache_prompt=True, id_slot=0)
+    rf, rf_fresh = resumed["timings"]["ridgefill"], fresh["timings"]["ridgefill"]
+    start = resumed["timings"]["cache_n"] - rf["resumed"]
+    # the same first approximated row, the same rows prefilled with RidgeFill from it, all but the last 64 of
+    # them (the budget scores their lower-layer attention) taken from the held split state the first time
+    assert rf["resumed"] > 0 and rf_fresh["resumed"] == 0
+    assert start == fresh["timings"]["cache_n"] and rf["rows"] == rf_fresh["rows"]
+    assert rf["resumed"] == rf["rows"] - 64
+    assert f"({rf['resumed']} resumed from the held split state)" in log.read_text()
+    # what it answers is what the prefill that ran every row's lower layers again answers, to float noise
+    assert top_logprob_gap(resumed, fresh) < STOCK_NOISE
+    # and no request after it reuses the resumed rows as exact ones
+    assert stock["timings"]["cache_n"] <= start
 
 
 def test_the_ram_prompt_cache_and_slot_files_carry_which_cells_are_approximated(model_and_maps):

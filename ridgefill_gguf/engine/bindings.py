@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 19
+API_VERSION = 20
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -63,6 +63,10 @@ _SIGNATURES = {
                                                  ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_prefill_begin": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                        ctypes.c_int32, ctypes.c_int32]),
+    "llama_ridgefill_held_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                   ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
+    "llama_ridgefill_prefill_resume": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                                                        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_prefill_step": (ctypes.c_int32, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_cancel": (None, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_active": (ctypes.c_int32, [ctypes.c_void_p]),
@@ -286,6 +290,27 @@ def prefill(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0) -> bo
     lib = _prefill_lib()
     arr = (ctypes.c_int32 * len(tokens))(*tokens)
     rc = lib.llama_ridgefill_prefill(ctx, seq, arr, len(tokens), n_following)
+    if rc < 0:
+        raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
+    return rc == 0
+
+
+def held_rows(ctx, tokens: list[int], pos: int, *, seq: int = 0) -> int:
+    """How many leading rows of tokens, at positions from pos, a resumed prefill can take from the last sweep one."""
+    arr = (ctypes.c_int32 * len(tokens))(*tokens)
+    return int(_prefill_lib().llama_ridgefill_held_rows(ctx, seq, pos, arr, len(tokens)))
+
+
+def prefill_resumed(ctx, tokens: list[int], n_held: int, *, seq: int = 0, n_following: int = 0) -> bool:
+    """prefill() of tokens whose first n_held rows are the sequence's last cached ones, taking their split state from
+    the last sweep one (held_rows says how many may). False when it did not qualify: the rows from the first held
+    one were removed, so the caller prefills the stock way from there. Raises PrefillError on failure."""
+    lib = _prefill_lib()
+    arr = (ctypes.c_int32 * len(tokens))(*tokens)
+    rc = lib.llama_ridgefill_prefill_resume(ctx, seq, arr, len(tokens), n_following, n_held)
+    while rc == 0 and (step := lib.llama_ridgefill_prefill_step(ctx)) != STEP_DONE:
+        if step < 0:
+            rc = step
     if rc < 0:
         raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
     return rc == 0

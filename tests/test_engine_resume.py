@@ -1,0 +1,94 @@
+"""A RidgeFill prefill again over rows the last one put in the cache (the exact-only follow-up: the same document, a
+new question) takes their split state from that prefill's sweep one (llama_ridgefill_held_rows / _prefill_resume):
+it gives the bytes of a fresh RidgeFill prefill of the whole conversation, and it takes no row it should not."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import require_builds
+from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+from test_engine_steps import run_script
+
+# the default selector's kind (the probe with its budget, which scores the last rows' lower-layer attention too)
+PARAMS = {"tail": 40, "fill": "ridge", "chunk": 48, "min_prefix": 0, "probe_budget": [16, 1.0]}
+
+SCRIPT = r'''
+import json, sys
+import numpy as np
+from ridgefill_gguf.engine.session import Session
+from ridgefill_gguf.engine import bindings as B
+
+cfg = json.loads(sys.argv[1])
+S = Session(cfg["model"], n_ctx=1024, n_batch=64, n_ubatch=32, n_threads=2, maps=cfg["maps"])
+rng = np.random.default_rng(0)
+# the first prompt's rows before its last token fill whole batches, so that the follow-up's sweep one runs the
+# batches a fresh prefill of the conversation runs
+first = [int(t) for t in rng.integers(1000, 5000, 257)]
+follow = first + [int(t) for t in rng.integers(1000, 5000, 120)]
+p = cfg["params"]
+res = {}
+
+fresh, _, st_fresh = S.ridgefill(follow, **p)
+S.ridgefill(first, **p)
+res["held_after_first"] = B.held_rows(S.ctx, follow[:-1], 0)
+res["held_from_100"] = B.held_rows(S.ctx, follow[100:-1], 100)
+changed = list(follow[:-1]); changed[200] += 1
+res["held_with_a_changed_token"] = B.held_rows(S.ctx, changed, 0)
+res["held_for_a_short_question"] = B.held_rows(S.ctx, first[:-1] + first[:20], 0)
+resumed, _, st = S.ridgefill_resumed(follow, **p)
+res["held"], res["applied"] = st["held"], st["applied"]
+res["exact_rows_equal"] = st["exact_rows"] == st_fresh["exact_rows"]
+res["identical"] = resumed.tobytes() == fresh.tobytes()
+res["max_diff"] = float(np.abs(resumed - fresh).max())
+# the resumed prefill's own sweep one is held now; a prefill of another prompt in between leaves none
+res["held_after_resumed"] = B.held_rows(S.ctx, follow[:-1], 0)
+S.ridgefill([7] * 300, **p)
+res["held_after_another_prompt"] = B.held_rows(S.ctx, follow[:-1], 0)
+print("RESULT " + json.dumps(res))
+'''
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """SCRIPT's answers on a 4-layer llama with maps at split 1."""
+    require_builds("ridgefill")
+    model, maps = tiny_model_with_maps(tmp_path_factory.mktemp("engine-resume"), "llama", n_layer=4, split=1)
+    return run_script(SCRIPT, {"model": str(model), "maps": str(maps), "params": PARAMS})
+
+
+def test_a_follow_up_resumed_from_the_held_split_state_gives_the_bytes_of_a_fresh_ridgefill_prefill(resumed):
+    res = resumed
+    assert res["held_after_first"] == 256          # the first prefill's rows (its last token was decoded stock)
+    assert res["held"] == 256 and res["applied"] == 1
+    assert res["exact_rows_equal"]
+    assert res["identical"], res["max_diff"]
+    assert res["held_after_resumed"] == 376 - 64   # all but the rows the budget scores in sweep one
+
+
+def test_only_rows_with_the_same_tokens_cells_and_enough_question_after_them_are_held(resumed):
+    res = resumed
+    assert res["held_from_100"] == 156             # the held rows from position 100 on
+    assert res["held_with_a_changed_token"] == 200  # up to the changed token
+    assert res["held_for_a_short_question"] == 276 - 64  # the last 64 rows' attention is scored in sweep one
+    assert res["held_after_another_prompt"] == 0
+
+
+HYBRID_SCRIPT = r'''
+import json, sys
+import numpy as np
+from ridgefill_gguf.engine.session import Session
+from ridgefill_gguf.engine import bindings as B
+
+cfg = json.loads(sys.argv[1])
+S = Session(cfg["model"], n_ctx=1024, n_batch=64, n_ubatch=32, n_threads=2, maps=cfg["maps"])
+tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 5000, 400)]
+_, _, st = S.ridgefill(tokens, **cfg["params"])
+print("RESULT " + json.dumps({"applied": st["applied"], "held": B.held_rows(S.ctx, tokens[:-1], 0)}))
+'''
+
+
+def test_a_hybrid_holds_no_rows_since_its_recurrent_state_cannot_go_back(tmp_path):
+    require_builds("ridgefill")
+    model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2)
+    res = run_script(HYBRID_SCRIPT, {"model": str(model), "maps": str(maps), "params": PARAMS})
+    assert res == {"applied": 1, "held": 0}

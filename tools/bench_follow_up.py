@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""What a follow-up question over a long document costs, side by side on one machine: the conversation prefilled
+stock, the follow-up as the exact-only policy serves it today (a fresh RidgeFill prefill of the conversation), the
+same resumed from the first prefill's held split state (llama_ridgefill_prefill_resume: layers [0, S) only for the
+new rows), and the reuse of the first prefill's cache as it is (only the new rows, stock). JSON and Markdown.
+
+    tools/bench_follow_up.py MODEL --maps MAPS --out DIR [--doc FILE] [--tokens 4096] [--reps 3] [--tail 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QUESTION1 = "\n\nQuestion: what does the text above say about its first subject? Answer briefly.\nAnswer:"
+FOLLOW_UP = (" It describes it in its opening lines.\n\nQuestion: and which other subject does it come to later, "
+             "in other words than its own? Answer briefly.\nAnswer:")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--maps", required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--doc", help="document text (default: the standard library's argparse.py)")
+    ap.add_argument("--tokens", type=int, default=4096, help="document tokens")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tail", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    a = ap.parse_args()
+
+    from ridgefill_gguf.engine.session import Session
+
+    text = Path(a.doc or argparse.__file__).read_text(errors="replace")
+    sess = Session(a.model, n_ctx=a.tokens + 1024, n_threads=a.threads, maps=a.maps)
+    doc = sess.tokenize(text, special=False)[:a.tokens]
+    first = doc + sess.tokenize(QUESTION1, special=False)
+    conv = first + sess.tokenize(FOLLOW_UP, special=False)
+    params = {"fill": "ridge", "tail": a.tail, "probe_budget": (256, 1.0)}  # the default selector
+
+    times: dict[str, list[float]] = {k: [] for k in ("stock", "exact_only_fresh", "exact_only_resumed", "reuse")}
+    held = []
+    for rep in range(a.reps):
+        times["stock"].append(sess.stock(conv)[1])
+        sess.ridgefill(first, **params)
+        times["exact_only_fresh"].append(sess.ridgefill(conv, **params)[1])
+        sess.ridgefill(first, **params)
+        _, seconds, st = sess.ridgefill_resumed(conv, **params)
+        times["exact_only_resumed"].append(seconds)
+        held.append(st["held"])
+        sess.ridgefill(first, **params)
+        t0 = time.perf_counter()
+        sess.extend(first, conv)
+        times["reuse"].append(time.perf_counter() - t0)
+        print(f"bench_follow_up: rep {rep + 1}/{a.reps}: " +
+              ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()) + f", held {held[-1]}", flush=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    res = {"command": " ".join(sys.argv), "model": Path(a.model).name, "maps": Path(a.maps).name,
+           "machine": {"cpu": cpu_name(), "threads": a.threads,
+                       "cores": os.cpu_count()},
+           "document_tokens": len(doc), "first_prompt_tokens": len(first), "conversation_tokens": len(conv),
+           "params": params, "reps": a.reps, "held_rows": held, "seconds": times, "median_seconds": med,
+           "share_of_stock": {k: med[k] / med["stock"] for k in med}}
+    a.out.mkdir(parents=True, exist_ok=True)
+    tmp = a.out / ".bench_follow_up.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    tmp.replace(a.out / "bench_follow_up.json")
+    rows = "\n".join(f"| {k} | {med[k]:.2f} | {med[k] / med['stock']:.2f} |" for k in med)
+    md = (f"# A follow-up over a long document: {res['model']}\n\n{len(doc)} document tokens, a conversation of "
+          f"{len(conv)}; the default selector, tail {a.tail}; median of {a.reps}; {a.threads} threads. The resumed "
+          f"prefill took {held[0]} rows' split state from the first prefill.\n\n"
+          f"| follow-up prefill | seconds | share of stock |\n|---|---|---|\n{rows}\n")
+    (a.out / "bench_follow_up.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
