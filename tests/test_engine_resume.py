@@ -44,6 +44,37 @@ res["max_diff"] = float(np.abs(resumed - fresh).max())
 res["held_after_resumed"] = B.held_rows(S.ctx, follow[:-1], 0)
 S.ridgefill([7] * 300, **p)
 res["held_after_another_prompt"] = B.held_rows(S.ctx, follow[:-1], 0)
+
+mem = S.lc.llama_get_memory(S.ctx)
+def last(pos0, tokens):
+    S._decode(tokens[-1:], pos0 + len(tokens) - 1, "last")
+    return S._last_logits()
+
+# resumed from a row after the first: the held rows move to x_split's first rows; against a fresh RidgeFill
+# prefill from there over the same cells before it
+S.ridgefill(first, **p)
+S.lc.llama_memory_seq_rm(mem, 0, 128, -1)
+B.prefill(S.ctx, follow[128:-1], n_following=1)
+fresh_128 = last(128, follow[128:])
+S.ridgefill(first, **p)
+n = B.held_rows(S.ctx, follow[128:-1], 128)
+S.lc.llama_memory_seq_rm(mem, 0, 128 + n, -1)
+res["held_from_128"], res["applied_from_128"] = n, B.prefill_resumed(S.ctx, follow[128:-1], n, n_following=1)
+res["identical_from_128"] = last(128, follow[128:]).tobytes() == fresh_128.tobytes()
+
+# a removed row ends the held rows; a state load forgets them
+S.ridgefill(first, **p)
+S.lc.llama_memory_seq_rm(mem, 0, 50, 51)
+res["held_after_a_removed_row"] = B.held_rows(S.ctx, follow[:-1], 0)
+S.ridgefill(first, **p)
+B.forget_held(S.ctx)
+res["held_after_forget"] = B.held_rows(S.ctx, follow[:-1], 0)
+
+# asked to resume more rows than are held (the first prompt's last token, decoded stock, has no split state held),
+# it does not begin and removes the rows from the first one it was to resume
+S.ridgefill(first, **p)
+res["more_than_held"] = B.prefill_resumed(S.ctx, follow[:-1], len(first), n_following=1)
+res["pos_max_after"] = S.lc.llama_memory_seq_pos_max(mem, 0)
 print("RESULT " + json.dumps(res))
 '''
 
@@ -71,6 +102,18 @@ def test_only_rows_with_the_same_tokens_cells_and_enough_question_after_them_are
     assert res["held_with_a_changed_token"] == 200  # up to the changed token
     assert res["held_for_a_short_question"] == 276 - 64  # the last 64 rows' attention is scored in sweep one
     assert res["held_after_another_prompt"] == 0
+    assert res["held_after_a_removed_row"] == 50
+    assert res["held_after_forget"] == 0
+
+
+def test_a_resume_after_the_first_row_gives_the_bytes_of_a_fresh_prefill_from_there(resumed):
+    assert resumed["held_from_128"] == 256 - 128 and resumed["applied_from_128"]
+    assert resumed["identical_from_128"]
+
+
+def test_a_resume_of_more_rows_than_are_held_does_not_begin_and_removes_them(resumed):
+    assert resumed["more_than_held"] is False
+    assert resumed["pos_max_after"] == -1
 
 
 HYBRID_SCRIPT = r'''

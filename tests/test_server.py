@@ -388,10 +388,14 @@ def test_an_exact_only_follow_up_resumes_from_the_held_split_state_and_answers_a
     with Server(model, maps, tail=64, min_prefix=0, threads=2, slots=2, log_path=log) as srv:
         srv.complete(PROMPT, n_predict=4, id_slot=0)
         resumed = srv.complete(PROMPT + FOLLOW_UP, id_slot=0, **ask)
+        stock = srv.complete(PROMPT + FOLLOW_UP, n_predict=4, n_probs=5, ridgefill=False, cache_prompt=True, id_slot=0)
         srv.complete(PROMPT, n_predict=4, id_slot=0)
         srv.complete(OTHER, n_predict=2, id_slot=1)  # another RidgeFill prefill: the engine holds its rows now
         fresh = srv.complete(PROMPT + FOLLOW_UP, id_slot=0, **ask)
-        stock = srv.complete(PROMPT + FOLLOW_UP, n_predict=4, n_probs=5, ridgefill=False, cache_prompt=True, id_slot=0)
+        # a follow-up that does not run RidgeFill after all (its selector is refused: these maps have no unigram
+        # counts) drops the rows it kept and prefills them the stock way
+        srv.complete(PROMPT, n_predict=4, id_slot=0)
+        refused = srv.complete(PROMPT + FOLLOW_UP, id_slot=0, ridgefill_select="protected", **ask)
     rf, rf_fresh = resumed["timings"]["ridgefill"], fresh["timings"]["ridgefill"]
     start = resumed["timings"]["cache_n"] - rf["resumed"]
     # the same first approximated row, the same rows prefilled with RidgeFill from it, all but the last 64 of
@@ -402,8 +406,10 @@ def test_an_exact_only_follow_up_resumes_from_the_held_split_state_and_answers_a
     assert f"({rf['resumed']} resumed from the held split state)" in log.read_text()
     # what it answers is what the prefill that ran every row's lower layers again answers, to float noise
     assert top_logprob_gap(resumed, fresh) < STOCK_NOISE
-    # and no request after it reuses the resumed rows as exact ones
+    # a stock request right after it does not reuse the resumed rows as exact ones
     assert stock["timings"]["cache_n"] <= start
+    assert "refused" in refused["timings"]["ridgefill"] and refused["timings"]["cache_n"] == start
+    assert top_logprob_gap(refused, stock) < STOCK_NOISE
 
 
 def test_the_ram_prompt_cache_and_slot_files_carry_which_cells_are_approximated(model_and_maps):

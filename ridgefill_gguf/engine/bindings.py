@@ -67,6 +67,7 @@ _SIGNATURES = {
                                                    ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_prefill_resume": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                         ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]),
+    "llama_ridgefill_forget_held": (None, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_step": (ctypes.c_int32, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_cancel": (None, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_active": (ctypes.c_int32, [ctypes.c_void_p]),
@@ -301,10 +302,16 @@ def held_rows(ctx, tokens: list[int], pos: int, *, seq: int = 0) -> int:
     return int(_prefill_lib().llama_ridgefill_held_rows(ctx, seq, pos, arr, len(tokens)))
 
 
+def forget_held(ctx) -> None:
+    """Drop the held split state: call it before loading a sequence's state (llama_state_seq_set_data)."""
+    _prefill_lib().llama_ridgefill_forget_held(ctx)
+
+
 def prefill_resumed(ctx, tokens: list[int], n_held: int, *, seq: int = 0, n_following: int = 0) -> bool:
-    """prefill() of tokens whose first n_held rows are the sequence's last cached ones, taking their split state from
-    the last sweep one (held_rows says how many may). False when it did not qualify: the rows from the first held
-    one were removed, so the caller prefills the stock way from there. Raises PrefillError on failure."""
+    """prefill() of tokens whose first n_held rows (fewer than all) are the sequence's last cached ones, taking their
+    split state from the last sweep one (held_rows says how many may). False when it did not qualify: the rows from
+    the first held one were removed, so the caller prefills the stock way from there. Raises PrefillError on failure
+    (the rows from the first held one were removed too)."""
     lib = _prefill_lib()
     arr = (ctypes.c_int32 * len(tokens))(*tokens)
     rc = lib.llama_ridgefill_prefill_resume(ctx, seq, arr, len(tokens), n_following, n_held)
