@@ -27,8 +27,10 @@ def soak_model(folder: Path, arch: str = "llama") -> tuple[Path, Path]:
 
 
 def plan(n: int, seed: int = 0, max_len: int = 1500) -> list[dict]:
-    """The requests: prompt tokens, RidgeFill or not, cache or not, tokens to generate, and a cancel delay."""
+    """The requests: prompt tokens, RidgeFill or not, cache or not, tokens to generate, a cancel delay, and the
+    RidgeFill request's reuse policy (half exact-only, which resumes from the held split state where it can)."""
     rng = random.Random(seed)
+    policy_rng = random.Random(seed + 1)  # its own draws, so the rest of the plan is what it was before it
     shared = [rng.randrange(1000, 20000) for _ in range(max_len)]  # a common document, so the cache is reused
     reqs = []
     for i in range(n):
@@ -37,14 +39,15 @@ def plan(n: int, seed: int = 0, max_len: int = 1500) -> list[dict]:
         prompt = [1] + (shared[:length // 2] + own[:length - length // 2] if rng.random() < 0.5 else own)
         reqs.append({"i": i, "prompt": prompt, "ridgefill": rng.random() < 0.6, "cache_prompt": rng.random() < 0.5,
                      "n_predict": rng.randrange(1, 12),
-                     "cancel_after_s": rng.uniform(0.0, 0.2) if rng.random() < 0.1 else None})
+                     "cancel_after_s": rng.uniform(0.0, 0.2) if rng.random() < 0.1 else None,
+                     "reuse": "exact-only" if policy_rng.random() < 0.5 else "any"})
     return reqs
 
 
 def send(srv: Server, req: dict) -> dict:
     """One request; a cancelled one streams and closes the connection after its delay."""
     body = {"prompt": req["prompt"], "n_predict": req["n_predict"], "temperature": 0,
-            "cache_prompt": req["cache_prompt"], "ridgefill": req["ridgefill"]}
+            "cache_prompt": req["cache_prompt"], "ridgefill": req["ridgefill"], "ridgefill_reuse": req["reuse"]}
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=600)
     try:
         if req["cancel_after_s"] is not None:
@@ -59,9 +62,9 @@ def send(srv: Server, req: dict) -> dict:
         if resp.status != 200:
             return {"i": req["i"], "status": resp.status, "error": data[:300].decode(errors="replace")}
         out = json.loads(data)
-        return {"i": req["i"], "status": 200, "content": out.get("content", ""),
-                "ridgefill_ran": "ridgefill" in out.get("timings", {}) and
-                                 "filled" in out["timings"]["ridgefill"]}
+        rf = out.get("timings", {}).get("ridgefill", {})
+        return {"i": req["i"], "status": 200, "content": out.get("content", ""), "ridgefill_ran": "filled" in rf,
+                "resumed": rf.get("resumed", 0)}
     except Exception as e:
         return {"i": req["i"], "status": -1, "error": f"{type(e).__name__}: {e}"}
     finally:
@@ -131,6 +134,7 @@ def run_soak(model, maps, *, n: int = 1000, slots: int = 4, clients: int = 8, th
     return {"requests": n, "slots": slots, "cache_ram_mib": cache_ram_mib, "clients": clients, "seconds": seconds, "server_alive": alive,
             "errors": errors, "cancelled": sum(1 for q in reqs if q["cancel_after_s"] is not None),
             "ridgefill_ran": sum(1 for r in results if r.get("ridgefill_ran")),
+            "resumed": sum(1 for r in results if r.get("resumed")),
             "stock_compared": len(stock), "stock_mismatched": mismatched, "off_vs_upstream_alone": off_vs_upstream,
             "upstream_concurrent_mismatched": up_mismatched,
             "rss_mib": rss,

@@ -70,7 +70,7 @@ def test_eval_facts_asks_both_questions_over_the_reused_cache_and_plumb_answers_
     assert "| S1-T128 | follow_up |" in (tmp_path / "out" / "summary.md").read_text()
 
 
-def test_the_exact_only_follow_up_prefills_the_conversation_afresh_and_a_resumed_run_adds_it(tmp_path):
+def test_the_exact_only_follow_up_prefills_the_conversation_again_and_a_resumed_run_adds_it(tmp_path):
     model, maps = model_maps_and_code_docs(tmp_path)
     opts = F.FactOptions(docs=(str(tmp_path / "docs"),), lengths=(900,), samples=1, tails=(128,),
                          arms=("plumb", "ridge+probe", "ridge+random:probe"), fmt="completion", threads=2,
@@ -96,6 +96,13 @@ def test_the_exact_only_follow_up_prefills_the_conversation_afresh_and_a_resumed
     assert rand["stats_exact_only"]["n_exact"] == again["n_exact"] and rand["stats_exact_only"]["n_probe_exact"] == 0
     assert set(r["configs"]["S1-T128"]["turns"]) == {"first", "follow_up", "follow_up_exact_only"}
     assert "| S1-T128 | follow_up_exact_only |" in (tmp_path / "out" / "summary.md").read_text()
+    # asked in one run, the exact-only prefill resumes from the first prefill's split state, as the server's does,
+    # and answers as in the run above (whose prefills took theirs from the arm before, or ran every row)
+    F.run_facts(model, [maps], tmp_path / "one-run", opts, log=lambda _: None)
+    one = {a["arm"]: a for a in map(json.loads, (tmp_path / "one-run" / "results.jsonl").read_text().splitlines())}
+    assert one["ridge+probe"]["stats_exact_only"]["held"] > 0
+    for arm in ("ridge+probe", "ridge+random:probe"):
+        assert one[arm]["pred_follow_up_exact_only"] == by[arm]["pred_follow_up_exact_only"], arm
 
 
 def test_facts_shards_answer_their_own_samples_and_a_whole_run_after_them_only_summarizes(tmp_path):

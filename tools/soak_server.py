@@ -26,24 +26,29 @@ def main() -> int:
     ap.add_argument("--cache-ram", type=int, default=None, help="llama-server's --cache-ram in MiB (its default)")
     ap.add_argument("--arch", choices=tuple(SOAK_LAYERS), default="llama",
                     help="qwen35: a hybrid, whose late layers yield to the other slots and whose slots save checkpoints")
+    ap.add_argument("--slots", type=int, default=4,
+                    help="server slots; with 1, the slot's last RidgeFill prefill is the engine's last, so exact-only "
+                         "follow-ups resume from its held split state")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "results" / "soak")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         model, maps = soak_model(d, args.arch)
-        r = run_soak(model, maps, n=args.n, cache_ram_mib=args.cache_ram, log_dir=d)
+        r = run_soak(model, maps, n=args.n, slots=args.slots, cache_ram_mib=args.cache_ram, log_dir=d)
     r.update(command=" ".join(sys.argv), hardware=hardware(),
              model="tiny random {}, {} layers, split {}".format(args.arch, *SOAK_LAYERS[args.arch]))
     ram = "" if args.cache_ram is None else f"-cache-ram-{args.cache_ram}"
     arch = "" if args.arch == "llama" else f"-{args.arch}"
-    stem = args.out / f"{datetime.date.today().isoformat()}-soak-{args.n}{arch}{ram}"
+    slots = "" if args.slots == 4 else f"-slots-{args.slots}"
+    stem = args.out / f"{datetime.date.today().isoformat()}-soak-{args.n}{arch}{slots}{ram}"
     write_atomic(stem.with_suffix(".json"), json.dumps(r, indent=1) + "\n")
     growth = r["rss_mib"][-1][1] - r["rss_mib"][0][1] if len(r["rss_mib"]) > 1 else 0.0
     md = [f"# Soak: {r['requests']} requests over {r['slots']} slots ({r['clients']} clients), --cache-ram "
           f"{'default' if args.cache_ram is None else args.cache_ram}", "",
           f"`{r['command']}`", "", f"- model: {r['model']}",
           f"- {r['seconds']:.0f} s; server alive at the end: {r['server_alive']}",
-          f"- errors: {len(r['errors'])}; cancelled in flight: {r['cancelled']}; RidgeFill ran: {r['ridgefill_ran']}",
+          f"- errors: {len(r['errors'])}; cancelled in flight: {r['cancelled']}; RidgeFill ran: {r['ridgefill_ran']}, of them "
+          f"exact-only follow-ups resumed from the held split state: {r.get('resumed', 0)}",
           f"- finished stock requests replayed one at a time on one slot: {r['stock_compared']}; the patched server "
           f"(RidgeFill off, maps attached) differing from upstream there: {len(r['off_vs_upstream_alone'])}; "
           f"the concurrent run's text differing from upstream alone: {len(r['stock_mismatched'])}, and upstream's own "

@@ -281,7 +281,7 @@ def _documents(opts: FactOptions) -> list[tuple[str, str, str]]:
 
 
 STATS_KEPT = ("applied", "n_filled", "n_exact", "n_tail", "n_probe_exact", "n_lexical", "n_whole_numbers", "n_budget",
-              "reason")
+              "reason", "held")
 
 
 class FactConversations:
@@ -316,15 +316,16 @@ class FactConversations:
         return {**r, **self.prefill_record(sample, tokens, st, "")}
 
     def exact_only_turn(self, sample: FactSample, document: str, r: dict, params_for) -> dict:
-        """The follow-up after the first answer r["pred"] as --ridgefill-reuse exact-only serves it: a fresh prefill
-        of the conversation with the arm's parameters for its length (params_for(n) -> params, or None for stock,
-        whose exact cache that policy keeps whole)."""
+        """The follow-up after the first answer r["pred"] as --ridgefill-reuse exact-only serves it: a RidgeFill
+        prefill of the conversation with the arm's parameters for its length (params_for(n) -> params, or None for
+        stock, whose exact cache that policy keeps whole), resumed from the split state the engine holds from the
+        last prefill of the same rows (stats "held": how many; the rows below the split run alike in every arm)."""
         tokens2 = self.follow_up_tokens(sample, document, r["pred"])
         params = params_for(len(tokens2))
         if params is None:
             return {"pred_follow_up_exact_only": r["pred_follow_up"],
                     "score_follow_up_exact_only": r["score_follow_up"]}
-        logits, _, st = self.sess.ridgefill(tokens2, **params)
+        logits, _, st = self.sess.ridgefill_resumed(tokens2, **params)
         pred = self.sess.detokenize(self.sess.greedy(logits, len(tokens2), MAX_NEW))
         return {"pred_follow_up_exact_only": pred,
                 "score_follow_up_exact_only": answered(pred, sample.facts[sample.follow_up]["answer"]),
