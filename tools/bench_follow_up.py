@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,16 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 QUESTION1 = "\n\nQuestion: what does the text above say about its first subject? Answer briefly.\nAnswer:"
 FOLLOW_UP = (" It describes it in its opening lines.\n\nQuestion: and which other subject does it come to later, "
              "in other words than its own? Answer briefly.\nAnswer:")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -47,6 +36,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from ridgefill_gguf.engine.session import Session
+    from ridgefill_gguf.util import hardware, write_atomic
 
     text = Path(a.doc or argparse.__file__).read_text(errors="replace")
     sess = Session(a.model, n_ctx=a.tokens + 1024, n_threads=a.threads, maps=a.maps)
@@ -74,21 +64,17 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"command": " ".join(sys.argv), "model": Path(a.model).name, "maps": Path(a.maps).name,
-           "machine": {"cpu": cpu_name(), "threads": a.threads,
-                       "cores": os.cpu_count()},
+           "hardware": hardware(), "threads": a.threads,
            "document_tokens": len(doc), "first_prompt_tokens": len(first), "conversation_tokens": len(conv),
            "params": params, "reps": a.reps, "held_rows": held, "seconds": times, "median_seconds": med,
            "share_of_stock": {k: med[k] / med["stock"] for k in med}}
-    a.out.mkdir(parents=True, exist_ok=True)
-    tmp = a.out / ".bench_follow_up.json.tmp"
-    tmp.write_text(json.dumps(res, indent=1) + "\n")
-    tmp.replace(a.out / "bench_follow_up.json")
+    write_atomic(a.out / "bench_follow_up.json", json.dumps(res, indent=1) + "\n")
     rows = "\n".join(f"| {k} | {med[k]:.2f} | {med[k] / med['stock']:.2f} |" for k in med)
     md = (f"# A follow-up over a long document: {res['model']}\n\n{len(doc)} document tokens, a conversation of "
           f"{len(conv)}; the default selector, tail {a.tail}; median of {a.reps}; {a.threads} threads. The resumed "
           f"prefill took {held[0]} rows' split state from the first prefill.\n\n"
           f"| follow-up prefill | seconds | share of stock |\n|---|---|---|\n{rows}\n")
-    (a.out / "bench_follow_up.md").write_text(md)
+    write_atomic(a.out / "bench_follow_up.md", md)
     print(md)
 
 

@@ -48,7 +48,7 @@ def main() -> int:
           f"`{r['command']}`", "", f"- model: {r['model']}",
           f"- {r['seconds']:.0f} s; server alive at the end: {r['server_alive']}",
           f"- errors: {len(r['errors'])}; cancelled in flight: {r['cancelled']}; RidgeFill ran: {r['ridgefill_ran']}, of them "
-          f"exact-only follow-ups resumed from the held split state: {r.get('resumed', 0)}",
+          f"exact-only follow-ups resumed from the held split state: {r['resumed']}",
           f"- finished stock requests replayed one at a time on one slot: {r['stock_compared']}; the patched server "
           f"(RidgeFill off, maps attached) differing from upstream there: {len(r['off_vs_upstream_alone'])}; "
           f"the concurrent run's text differing from upstream alone: {len(r['stock_mismatched'])}, and upstream's own "

@@ -61,8 +61,6 @@ _SIGNATURES = {
     "llama_ridgefill_maps_has_unigrams": (ctypes.c_bool, [ctypes.c_void_p]),
     "llama_ridgefill_prefill": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                  ctypes.c_int32, ctypes.c_int32]),
-    "llama_ridgefill_prefill_begin": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
-                                                       ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_held_rows": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                                    ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]),
     "llama_ridgefill_prefill_resume": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
@@ -312,24 +310,23 @@ def prefill_resumed(ctx, tokens: list[int], n_held: int, *, seq: int = 0, n_foll
     split state from the last sweep one (held_rows says how many may). False when it did not qualify: the rows from
     the first held one were removed, so the caller prefills the stock way from there. Raises PrefillError on failure
     (the rows from the first held one were removed too)."""
+    steps = prefill_steps(ctx, tokens, seq=seq, n_following=n_following, n_held=n_held)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def prefill_steps(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0, n_held: int = 0):
+    """The same prefill in steps (resumed over n_held held rows: llama_ridgefill_prefill_resume, which with none
+    is llama_ridgefill_prefill_begin): yields after each step whether other sequences may decode on the context
+    before the next (True) or not (False: HOLD, which the engine no longer answers). Returns False at once when the
+    request did not qualify (nothing was done), True when done; raises PrefillError on failure. Closing the
+    generator early cancels it."""
     lib = _prefill_lib()
     arr = (ctypes.c_int32 * len(tokens))(*tokens)
     rc = lib.llama_ridgefill_prefill_resume(ctx, seq, arr, len(tokens), n_following, n_held)
-    while rc == 0 and (step := lib.llama_ridgefill_prefill_step(ctx)) != STEP_DONE:
-        if step < 0:
-            rc = step
-    if rc < 0:
-        raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
-    return rc == 0
-
-
-def prefill_steps(ctx, tokens: list[int], *, seq: int = 0, n_following: int = 0):
-    """The same prefill in steps: yields after each step whether other sequences may decode on the context before
-    the next (True) or not (False: HOLD, which the engine no longer answers). Returns False at once when the request did not qualify
-    (nothing was done), True when done; raises PrefillError on failure. Closing the generator early cancels it."""
-    lib = _prefill_lib()
-    arr = (ctypes.c_int32 * len(tokens))(*tokens)
-    rc = lib.llama_ridgefill_prefill_begin(ctx, seq, arr, len(tokens), n_following)
     if rc < 0:
         raise PrefillError(lib.llama_ridgefill_last_error().decode(errors="replace"))
     if rc == 1:

@@ -216,8 +216,24 @@ class Session:
             raise RuntimeError("no maps: open the session with maps=")
         self.bindings.configure(self.ctx, **params)
         self.clear()
+        return self._ridgefill_prompt(tokens, 0)
+
+    def ridgefill_resumed(self, tokens: list[int], **params) -> tuple[np.ndarray, float, dict]:
+        """ridgefill() of tokens over the sequence's cache, as an exact-only follow-up: the leading rows that the last
+        sweep one ran with the same tokens keep their cells and split state (stats["held"] of them), so that layers
+        [0, S) run only for the rest; every row's late layers are written anew."""
+        self.bindings.configure(self.ctx, **params)
+        n_held = self.bindings.held_rows(self.ctx, tokens[:-1], 0)
+        self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(self.ctx), 0, n_held, -1)
+        logits, seconds, stats = self._ridgefill_prompt(tokens, n_held)
+        return logits, seconds, {**stats, "held": n_held if stats["applied"] else 0}
+
+    def _ridgefill_prompt(self, tokens: list[int], n_held: int) -> tuple[np.ndarray, float, dict]:
+        """The RidgeFill prefill of tokens[:-1] from position 0 (its first n_held rows held), the stock way where it
+        does not apply (the held rows went too), then the last token: (logits, seconds, stats)."""
         t0 = time.perf_counter()
-        applied = self.bindings.prefill(self.ctx, tokens[:-1], n_following=1)
+        applied = (self.bindings.prefill_resumed(self.ctx, tokens[:-1], n_held, n_following=1) if n_held else
+                   self.bindings.prefill(self.ctx, tokens[:-1], n_following=1))
         reason = "" if applied else self.bindings.not_applied_reason()
         if not applied:
             self._stock_prefix(tokens[:-1])
@@ -225,24 +241,6 @@ class Session:
         seconds = time.perf_counter() - t0
         stats = self.bindings.stats(self.ctx)
         stats["reason"] = reason
-        stats["exact_rows"] = self.bindings.exact_rows(self.ctx) if applied else []
-        return self._last_logits(), seconds, stats
-
-    def ridgefill_resumed(self, tokens: list[int], **params) -> tuple[np.ndarray, float, dict]:
-        """ridgefill() of tokens over the sequence's cache, as an exact-only follow-up: the leading rows that the last
-        sweep one ran with the same tokens keep their cells and split state (stats["held"] of them), so that layers
-        [0, S) run only for the rest; every row's late layers are written anew."""
-        self.bindings.configure(self.ctx, **params)
-        t0 = time.perf_counter()
-        n_held = self.bindings.held_rows(self.ctx, tokens[:-1], 0)
-        self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(self.ctx), 0, n_held, -1)
-        applied = self.bindings.prefill_resumed(self.ctx, tokens[:-1], n_held, n_following=1)
-        reason = "" if applied else self.bindings.not_applied_reason()
-        if not applied:  # the held rows went too: the whole prompt the stock way
-            self._stock_prefix(tokens[:-1])
-        self._decode(tokens[-1:], len(tokens) - 1, "last")
-        seconds = time.perf_counter() - t0
-        stats = {**self.bindings.stats(self.ctx), "reason": reason, "held": n_held if applied else 0}
         stats["exact_rows"] = self.bindings.exact_rows(self.ctx) if applied else []
         return self._last_logits(), seconds, stats
 
