@@ -305,6 +305,24 @@ def test_plumb_and_the_oracle_reproduce_stock_and_streamed_maps_the_resident_byt
     assert streamed["ridge"].tobytes() == arrays["ridge"].tobytes()
 
 
+def test_with_flash_attention_plumb_moves_gemma_3_270m_less_than_stock_moves_between_two_ubatch_sizes(
+        gemma3_270m, tmp_path):
+    # With flash attention this model's own logits move with the ubatch: on the CPU a batch of fewer than 64 rows
+    # accumulates V in F16, a larger one in the tiled F32 kernel. The floor is stock against stock at another ubatch
+    require_builds("ridgefill")
+    model, maps = gemma3_270m
+    fa = {"flash_attn": True, **FULL}
+    runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": {"fill": "plumb", "tail": 256,
+                                                                            "min_prefix": 0}}]
+    arrays, stats = run_engine(model, maps, runs, prompt=LONG, n_ctx=2048, session=fa, tmp_path=tmp_path)
+    other, _ = run_engine(model, maps, runs[:1], prompt=LONG, n_ctx=2048,
+                          session={**fa, "n_batch": 512, "n_ubatch": 512}, tmp_path=tmp_path)
+    floor, moved = kl(arrays["stock"], other["stock"]), kl(arrays["stock"], arrays["plumb"])
+    print(f"plumb against stock with flash attention: KL {moved:.3g}; stock at ubatch 32 against 512: {floor:.3g}")
+    assert stats["plumb"]["applied"] == 1 and arrays["plumb"].argmax() == arrays["stock"].argmax()
+    assert floor > 1e-3 and moved <= floor, (moved, floor)
+
+
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_masks_made_in_the_graphs_with_the_window_give_the_bytes_of_llama_cpps_host_made_masks(flash_attn, gemma3,
                                                                                               tmp_path):

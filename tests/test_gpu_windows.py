@@ -138,7 +138,7 @@ def test_a_one_window_cache_on_cuda_moves_ridgefills_logits_as_little_as_stocks(
         assert out["ring"][name].argmax() == out["full"][name].argmax() and moved <= max(10 * floor, 1e-5), name
 
 
-def test_gemma_3_270m_on_cuda_is_upstreams_bytes_with_ridgefill_off_and_plumb_stays_within_the_floor(gemma3_270m,
+def test_gemma_3_270m_on_cuda_is_upstreams_bytes_with_ridgefill_off_and_plumb_stays_within_its_floor(gemma3_270m,
                                                                                                       tmp_path):
     # the real model, carried in pieces (tools/gpu/chunks.sh; RIDGEFILL_GGUF_MODELS=$HOME/ridgefill/models)
     from ridgefill_gguf import equivalence
@@ -154,10 +154,14 @@ def test_gemma_3_270m_on_cuda_is_upstreams_bytes_with_ridgefill_off_and_plumb_st
     base = {"tail": 256, "min_prefix": 0}
     runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": {"fill": "plumb", **base}},
             {"name": "ridge", "params": {"fill": "ridge", **base}}]
-    session = {"n_gpu_layers": -1, "flash_attn": True, **FULL}
-    arrays, stats = run_engine(model, maps, runs, prompt=LONG, n_ctx=2048, session=session, tmp_path=tmp_path)
-    other, _ = run_engine(model, maps, runs[:1], prompt=LONG, n_ctx=2048, session={**session, "n_ubatch": 64},
-                          tmp_path=tmp_path)
-    floor = kl(arrays["stock"], other["stock"])
-    assert stats["plumb"]["applied"] == 1 and kl(arrays["stock"], arrays["plumb"]) <= max(10 * floor, 1e-5)
-    assert stats["ridge"]["n_fill_skipped"] > 0
+    # flash attention off: the exact path is stock's to the floor (KL 0 on an H100). On, this model's own logits move
+    # with the ubatch (another kernel for other row counts), so the floor is stock at ubatch 32 against 512
+    for flash_attn, other_ubatch in ((False, 64), (True, 512)):
+        session = {"n_gpu_layers": -1, "flash_attn": flash_attn, **FULL}
+        arrays, stats = run_engine(model, maps, runs, prompt=LONG, n_ctx=2048, session=session, tmp_path=tmp_path)
+        other, _ = run_engine(model, maps, runs[:1], prompt=LONG, n_ctx=2048, tmp_path=tmp_path,
+                              session={**session, "n_batch": other_ubatch, "n_ubatch": other_ubatch})
+        floor, moved = kl(arrays["stock"], other["stock"]), kl(arrays["stock"], arrays["plumb"])
+        print(f"flash attention {flash_attn}: plumb KL {moved:.3g}, stock at ubatch {other_ubatch}: {floor:.3g}")
+        assert stats["plumb"]["applied"] == 1 and stats["ridge"]["n_fill_skipped"] > 0
+        assert moved <= (floor if flash_attn else max(10 * floor, 1e-5)), (flash_attn, moved, floor)
