@@ -120,3 +120,85 @@ def test_another_user_streaming_waits_no_longer_during_a_hybrids_ridgefill_prefi
     assert rf["others_tokens_during"] >= 10, rf
     # the prompt's last rows run as one stock batch after the prefill, so the worst stall is that batch in both arms
     assert rf["stall_max_s"] <= 1.2 * stock["stall_max_s"], (rf["stall_max_s"], stock["stall_max_s"])
+
+
+FOLLOW_UP = [2000 + 37 * i for i in range(48)]
+EXACT_ONLY = {"n_predict": 4, "n_probs": 5, "cache_prompt": True, "ridgefill_reuse": "exact-only"}
+
+
+def send_stream(srv: Server, body: dict) -> http.client.HTTPConnection:
+    """Sends a streamed /completion and returns without reading (its headers may wait for the first token)."""
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
+    conn.request("POST", "/completion", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    return conn
+
+
+def wait_for(check, what: str, timeout: float = 60) -> None:
+    # once a client has gone, read the server's log, not its endpoints: llama-server notices a closed connection
+    # only after a second without a result for any task
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def slot_busy(srv: Server, slot: int) -> bool:
+    return next(s for s in srv.get("/slots") if s["id"] == slot)["is_processing"]
+
+
+def in_flight(srv: Server, slot: int) -> bool:
+    rf = next(s for s in srv.get("/slots") if s["id"] == slot).get("ridgefill")
+    return bool(rf and rf["in_flight"])
+
+
+def test_an_exact_only_follow_up_released_while_its_resumed_prefill_runs_or_waits_leaves_nothing_held_behind(
+        smollm2_with_maps):
+    # running: the prefill is cancelled with its rows, the kept ones too. Waiting for another slot's prefill: that one
+    # began by letting the held state go, so the follow-up kept nothing and waits clamped at its first approximated
+    # row. Either way the next follow-up prefills from there and answers as one that never held rows, and a stock
+    # request reuses none of them
+    from test_server import STOCK_NOISE, top_logprob_gap
+
+    require_builds("ridgefill")
+    model, maps, d = smollm2_with_maps
+    doc, other = prompt_tokens(2300), [1] + [3000 + (i * 7907) % 40000 for i in range(2299)]
+    # the default selector (its probe makes the resumed prefill longer); no RAM prompt cache, which would give slot 0
+    # slot 1's copy of the document instead of a prefill
+    extra = ("-b", "512", "-ub", "512", "--cache-ram", "0")
+    with Server(model, maps, tail=256, min_prefix=0, threads=2, slots=2, n_ctx=2 * 2560, extra=extra,
+                log_path=d / "release.log") as srv:
+        log = lambda: srv.log_path.read_text(errors="replace")  # noqa: E731
+        srv.complete(doc, n_predict=1, cache_prompt=True, id_slot=1)
+        srv.complete(other, n_predict=1, cache_prompt=True, id_slot=0)  # the engine holds slot 0's rows now
+        fresh = srv.complete(doc + FOLLOW_UP, id_slot=1, **EXACT_ONLY)
+
+        srv.complete(doc, n_predict=1, cache_prompt=True, id_slot=0)
+        conn = send_stream(srv, {"prompt": doc + FOLLOW_UP, "id_slot": 0, **EXACT_ONLY})
+        wait_for(lambda: "resumed from the held split state" in log(), "the resumed prefill")
+        conn.close()  # the client goes away while the resumed prefill runs
+        wait_for(lambda: "RidgeFill prefill cancelled" in log(), "the cancel")
+        after_run = srv.complete(doc + FOLLOW_UP, id_slot=0, **EXACT_ONLY)
+
+        busy = send_stream(srv, {"prompt": other, "id_slot": 1, "n_predict": 1, "cache_prompt": False})
+        wait_for(lambda: in_flight(srv, 1), "slot 1's prefill")
+        conn = send_stream(srv, {"prompt": doc + FOLLOW_UP, "id_slot": 0, **EXACT_ONLY})
+        wait_for(lambda: slot_busy(srv, 0), "slot 0 to take the follow-up")
+        waiting, text = in_flight(srv, 1), log()
+        released, done = text.count("release: id  0 |"), text.count("RidgeFill prefill: 2299 rows")
+        conn.close()  # the client goes away while the follow-up waits for slot 1's prefill
+        wait_for(lambda: log().count("release: id  0 |") > released, "slot 0's release")
+        text = log()
+        waiting &= text[:text.rfind("release: id  0 |")].count("RidgeFill prefill: 2299 rows") == done
+        busy.getresponse().read()
+        after_wait = srv.complete(doc + FOLLOW_UP, id_slot=0, **EXACT_ONLY)
+        stock = srv.complete(doc + FOLLOW_UP, id_slot=0, n_predict=4, n_probs=5, ridgefill=False, cache_prompt=True)
+        text = log()
+    assert text.count("RidgeFill prefill cancelled") == 1 and waiting, text[-3000:]
+    rf_fresh = fresh["timings"]["ridgefill"]
+    start = fresh["timings"]["cache_n"]
+    assert rf_fresh["resumed"] == 0 and rf_fresh["rows"] > 2000
+    for after in (after_run, after_wait):
+        rf = after["timings"]["ridgefill"]
+        assert rf["resumed"] == 0 and after["timings"]["cache_n"] == start and rf["rows"] == rf_fresh["rows"]
+        assert top_logprob_gap(after, fresh) < STOCK_NOISE
+    assert stock["timings"]["cache_n"] <= start
