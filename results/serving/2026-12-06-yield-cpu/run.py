@@ -1,10 +1,13 @@
+"""One long request against one streaming user at --ridgefill-yield-ms 0, 50 and 200 (README.md); run from the
+repository root: run.py smollm2|qwen35 OUT"""
 import sys
+import tempfile
 from pathlib import Path
 sys.path.insert(0, "tests")
 from conftest import smollm2_with_random_maps
 from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
 from ridgefill_gguf.serving import run_serving
-d = Path("/tmp/yield")
+d = Path(tempfile.mkdtemp())  # the model and maps
 which = sys.argv[1]
 if which == "smollm2":
     model, maps = smollm2_with_random_maps(d)
