@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from conftest import require_builds
-from ridgefill_gguf.engine import bindings
 from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model

@@ -385,7 +385,7 @@ def test_an_exact_only_follow_up_resumes_from_the_held_split_state_and_answers_a
     model, maps, _, d = model_and_maps
     log = d / "resume.log"
     ask = dict(n_predict=4, n_probs=5, cache_prompt=True, ridgefill_reuse="exact-only")
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, slots=2, log_path=log) as srv:
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, slots=2, extra=("--metrics",), log_path=log) as srv:
         srv.complete(PROMPT, n_predict=4, id_slot=0)
         resumed = srv.complete(PROMPT + FOLLOW_UP, id_slot=0, **ask)
         stock = srv.complete(PROMPT + FOLLOW_UP, n_predict=4, n_probs=5, ridgefill=False, cache_prompt=True, id_slot=0)
@@ -396,13 +396,14 @@ def test_an_exact_only_follow_up_resumes_from_the_held_split_state_and_answers_a
         # counts) drops the rows it kept and prefills them the stock way
         srv.complete(PROMPT, n_predict=4, id_slot=0)
         refused = srv.complete(PROMPT + FOLLOW_UP, id_slot=0, ridgefill_select="protected", **ask)
+        counted = metric(srv, "ridgefill_rows_resumed_total")
     rf, rf_fresh = resumed["timings"]["ridgefill"], fresh["timings"]["ridgefill"]
     start = resumed["timings"]["cache_n"] - rf["resumed"]
     # the same first approximated row, the same rows prefilled with RidgeFill from it, all but the last 64 of
     # them (the budget scores their lower-layer attention) taken from the held split state the first time
     assert rf["resumed"] > 0 and rf_fresh["resumed"] == 0
     assert start == fresh["timings"]["cache_n"] and rf["rows"] == rf_fresh["rows"]
-    assert rf["resumed"] == rf["rows"] - 64
+    assert rf["resumed"] == rf["rows"] - 64 and counted == rf["resumed"]
     assert f"({rf['resumed']} resumed from the held split state)" in log.read_text()
     # what it answers is what the prefill that ran every row's lower layers again answers, to float noise
     assert top_logprob_gap(resumed, fresh) < STOCK_NOISE
