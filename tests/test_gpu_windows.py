@@ -155,13 +155,18 @@ def test_gemma_3_270m_on_cuda_is_upstreams_bytes_with_ridgefill_off_and_plumb_st
     runs = [{"name": "stock", "stock": True}, {"name": "plumb", "params": {"fill": "plumb", **base}},
             {"name": "ridge", "params": {"fill": "ridge", **base}}]
     # flash attention off: the exact path is stock's to the floor (KL 0 on an H100). On, this model's own logits move
-    # with the ubatch (another kernel for other row counts), so the floor is stock at ubatch 32 against 512
+    # with the kernel's shape (other row counts and cache views take other tilings), so its floor is what stock
+    # itself moves between ubatch 32 and 512, or between flash attention on and off, whichever is more
+    stock = {}
     for flash_attn, other_ubatch in ((False, 64), (True, 512)):
         session = {"n_gpu_layers": -1, "flash_attn": flash_attn, **FULL}
         arrays, stats = run_engine(model, maps, runs, prompt=LONG, n_ctx=2048, session=session, tmp_path=tmp_path)
         other, _ = run_engine(model, maps, runs[:1], prompt=LONG, n_ctx=2048, tmp_path=tmp_path,
                               session={**session, "n_batch": other_ubatch, "n_ubatch": other_ubatch})
+        stock[flash_attn] = arrays["stock"]
         floor, moved = kl(arrays["stock"], other["stock"]), kl(arrays["stock"], arrays["plumb"])
-        print(f"flash attention {flash_attn}: plumb KL {moved:.3g}, stock at ubatch {other_ubatch}: {floor:.3g}")
+        if flash_attn:
+            floor = max(floor, kl(stock[True], stock[False]))
+        print(f"flash attention {flash_attn}: plumb KL {moved:.3g}, floor {floor:.3g}")
         assert stats["plumb"]["applied"] == 1 and stats["ridge"]["n_fill_skipped"] > 0
         assert moved <= (floor if flash_attn else max(10 * floor, 1e-5)), (flash_attn, moved, floor)
