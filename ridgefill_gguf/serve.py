@@ -120,8 +120,10 @@ class Server:
         self.stop()
         raise ServerError(f"llama-server did not become healthy within {self.startup_timeout:.0f} s")
 
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path and self.log_path.exists() else ""
+    def log_tail(self, n: int | None = 4000) -> str:
+        """The last n characters of the server's log (None: all of it)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+        return text if n is None else text[-n:]
 
     def post(self, path: str, body: dict, timeout: float = 3600) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),

@@ -52,22 +52,45 @@ def test_another_user_streaming_waits_no_longer_during_a_ridgefill_prefill_than_
     assert 0 <= marks[0] < marks[1] < log.find("RidgeFill prefill: 2299 rows"), log[-3000:]
 
 
+def send_stream(srv: Server, body: dict) -> http.client.HTTPConnection:
+    """Sends a streamed /completion and returns without reading (its headers may wait for the first token)."""
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
+    conn.request("POST", "/completion", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    return conn
+
+
+def wait_for(check, what: str, timeout: float = 60) -> None:
+    # once a client has gone, read the server's log, not its endpoints: llama-server notices a closed connection
+    # only after a second without a result for any task
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def slot_state(srv: Server, slot: int) -> dict:
+    return next(s for s in srv.get("/slots") if s["id"] == slot)
+
+
+def slot_busy(srv: Server, slot: int) -> bool:
+    return slot_state(srv, slot)["is_processing"]
+
+
+def in_flight(srv: Server, slot: int) -> bool:
+    rf = slot_state(srv, slot).get("ridgefill")
+    return bool(rf and rf["in_flight"])
+
+
 def test_a_request_cancelled_in_the_middle_of_its_ridgefill_prefill_leaves_the_server_serving(smollm2_with_maps):
     require_builds("ridgefill")
     model, maps, d = smollm2_with_maps
     with two_slot_server(model, maps, d / "cancel.log") as srv:
         prompt = prompt_tokens(2300)
-        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
-        conn.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": 4, "stream": True,
-                                                        "cache_prompt": False}), {"Content-Type": "application/json"})
+        conn = send_stream(srv, {"prompt": prompt, "n_predict": 4, "cache_prompt": False})
         conn.getresponse()  # the headers come before the prefill
-        deadline = time.monotonic() + 60
-        while "RidgeFill prefill of 2299 rows begun" not in srv.log_tail(200000) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: "RidgeFill prefill of 2299 rows begun" in srv.log_tail(None), "the prefill")
         conn.close()  # the client goes away in the middle of the prefill
-        deadline = time.monotonic() + 60
-        while "RidgeFill prefill cancelled" not in srv.log_tail(200000) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: "RidgeFill prefill cancelled" in srv.log_tail(None), "the cancel")
         after = srv.complete(prompt, n_predict=2)
         slots = srv.get("/slots")
     log = (d / "cancel.log").read_text()
@@ -128,31 +151,6 @@ FOLLOW_UP = [2000 + 37 * i for i in range(48)]
 EXACT_ONLY = {"n_predict": 4, "n_probs": 5, "cache_prompt": True, "ridgefill_reuse": "exact-only"}
 
 
-def send_stream(srv: Server, body: dict) -> http.client.HTTPConnection:
-    """Sends a streamed /completion and returns without reading (its headers may wait for the first token)."""
-    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=120)
-    conn.request("POST", "/completion", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-    return conn
-
-
-def wait_for(check, what: str, timeout: float = 60) -> None:
-    # once a client has gone, read the server's log, not its endpoints: llama-server notices a closed connection
-    # only after a second without a result for any task
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
-def slot_busy(srv: Server, slot: int) -> bool:
-    return next(s for s in srv.get("/slots") if s["id"] == slot)["is_processing"]
-
-
-def in_flight(srv: Server, slot: int) -> bool:
-    rf = next(s for s in srv.get("/slots") if s["id"] == slot).get("ridgefill")
-    return bool(rf and rf["in_flight"])
-
-
 def test_an_exact_only_follow_up_released_while_its_resumed_prefill_runs_or_waits_leaves_nothing_held_behind(
         smollm2_with_maps):
     # running: the prefill is cancelled with its rows, the kept ones too. Waiting for another slot's prefill: that one
@@ -169,32 +167,31 @@ def test_an_exact_only_follow_up_released_while_its_resumed_prefill_runs_or_wait
     extra = ("-b", "512", "-ub", "512", "--cache-ram", "0")
     with Server(model, maps, tail=256, min_prefix=0, threads=2, slots=2, n_ctx=2 * 2560, extra=extra,
                 log_path=d / "release.log") as srv:
-        log = lambda: srv.log_path.read_text(errors="replace")  # noqa: E731
         srv.complete(doc, n_predict=1, cache_prompt=True, id_slot=1)
         srv.complete(other, n_predict=1, cache_prompt=True, id_slot=0)  # the engine holds slot 0's rows now
         fresh = srv.complete(doc + FOLLOW_UP, id_slot=1, **EXACT_ONLY)
 
         srv.complete(doc, n_predict=1, cache_prompt=True, id_slot=0)
         conn = send_stream(srv, {"prompt": doc + FOLLOW_UP, "id_slot": 0, **EXACT_ONLY})
-        wait_for(lambda: "resumed from the held split state" in log(), "the resumed prefill")
+        wait_for(lambda: "resumed from the held split state" in srv.log_tail(None), "the resumed prefill")
         conn.close()  # the client goes away while the resumed prefill runs
-        wait_for(lambda: "RidgeFill prefill cancelled" in log(), "the cancel")
+        wait_for(lambda: "RidgeFill prefill cancelled" in srv.log_tail(None), "the cancel")
         after_run = srv.complete(doc + FOLLOW_UP, id_slot=0, **EXACT_ONLY)
 
         busy = send_stream(srv, {"prompt": other, "id_slot": 1, "n_predict": 1, "cache_prompt": False})
         wait_for(lambda: in_flight(srv, 1), "slot 1's prefill")
         conn = send_stream(srv, {"prompt": doc + FOLLOW_UP, "id_slot": 0, **EXACT_ONLY})
         wait_for(lambda: slot_busy(srv, 0), "slot 0 to take the follow-up")
-        waiting, text = in_flight(srv, 1), log()
+        waiting, text = in_flight(srv, 1), srv.log_tail(None)
         released, done = text.count("release: id  0 |"), text.count("RidgeFill prefill: 2299 rows")
         conn.close()  # the client goes away while the follow-up waits for slot 1's prefill
-        wait_for(lambda: log().count("release: id  0 |") > released, "slot 0's release")
-        text = log()
+        wait_for(lambda: srv.log_tail(None).count("release: id  0 |") > released, "slot 0's release")
+        text = srv.log_tail(None)
         waiting &= text[:text.rfind("release: id  0 |")].count("RidgeFill prefill: 2299 rows") == done
         busy.getresponse().read()
         after_wait = srv.complete(doc + FOLLOW_UP, id_slot=0, **EXACT_ONLY)
         stock = srv.complete(doc + FOLLOW_UP, id_slot=0, n_predict=4, n_probs=5, ridgefill=False, cache_prompt=True)
-        text = log()
+        text = srv.log_tail(None)
     assert text.count("RidgeFill prefill cancelled") == 1 and waiting, text[-3000:]
     rf_fresh = fresh["timings"]["ridgefill"]
     start = fresh["timings"]["cache_n"]
