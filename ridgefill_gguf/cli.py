@@ -535,7 +535,7 @@ def _quality_curves(quality: Path | None) -> dict:
 @click.option("--users", default="2,4", show_default=True, help="users counted with the new one, comma-separated")
 @click.option("--kv", "kv_modes", multiple=True, type=click.Choice(["unified", "separate"]),
               help="repeatable (default: both)")
-@click.option("--yield-ms", "yields", default="0", show_default=True,
+@click.option("--yield-ms", "yields", default="50", show_default=True,
               help="--ridgefill-yield-ms settings to compare, comma-separated")
 @click.option("--tail", default=1024, show_default=True)
 @click.option("--select", default="probe", show_default=True, type=click.Choice(["probe", "none", "attention"]))

@@ -127,7 +127,7 @@ def markdown(rows: list[dict], header: str) -> str:
 
 
 def run_serving(model, maps, lengths: list[int], users: list[int], *, kv_modes=("unified", "separate"),
-                yield_ms=(0,), reps: int = 1, tail: int = 4096, select: str = "probe", n_gpu_layers: int | None = None,
+                yield_ms=(50,), reps: int = 1, tail: int = 4096, select: str = "probe", n_gpu_layers: int | None = None,
                 threads: int | None = None, out_dir="results/serving", label: str = "serving", warmup: bool = True,
                 extra: tuple[str, ...] = (), log=print) -> dict:
     """Every cell (prompt length, users, KV mode, yield setting, arm) on one server per KV mode and yield setting,

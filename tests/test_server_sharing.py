@@ -131,7 +131,8 @@ def test_another_user_streaming_waits_no_longer_during_a_hybrids_ridgefill_prefi
     from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
 
     model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2, n_embd=1024, n_ff=3072)
-    extra = ("-b", "512", "-ub", "512", "--ridgefill-select", "none",
+    # yield at every step: the test is that the late layers yield at all, not the default's trade
+    extra = ("-b", "512", "-ub", "512", "--ridgefill-select", "none", "--ridgefill-yield-ms", "0",
              "--override-kv", "qwen35.context_length=int:8192")
     with Server(model, maps, tail=256, min_prefix=0, threads=2, slots=2, n_ctx=2 * 4096, extra=extra,
                 log_path=tmp_path / "hybrid-sharing.log") as srv:

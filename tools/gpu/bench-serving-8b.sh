@@ -2,7 +2,7 @@
 # On the GPU machine after tools/gpu/prepare-8b.sh: mixed serving (issue 21, point 2). One long request arrives
 # while C-1 users stream tokens, stock against RidgeFill in the same server, unified and separate KV; results in
 # $OUT/serving.
-#   TOKENS=32768,65536 USERS=2,4,8 [KV=unified,separate] [YIELD=0] [REPEATS=1] [SELECT=probe] \
+#   TOKENS=32768,65536 USERS=2,4,8 [KV=unified,separate] [YIELD=50] [REPEATS=1] [SELECT=probe] \
 #       bash tools/gpu/bench-serving-8b.sh
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -19,7 +19,7 @@ ints = lambda k, d: [int(x) for x in env(k, d).split(",") if x]
 preset = env("PRESET", "qwen3-8b")
 arch = ModelShape.from_gguf(sys.argv[1]).arch  # the override names the model's own key
 r = run_serving(sys.argv[1], sys.argv[2], ints("TOKENS", "32768,65536"), ints("USERS", "2,4,8"),
-                kv_modes=tuple(env("KV", "unified,separate").split(",")), yield_ms=tuple(ints("YIELD", "0")),
+                kv_modes=tuple(env("KV", "unified,separate").split(",")), yield_ms=tuple(ints("YIELD", "50")),
                 reps=int(env("REPEATS", "1")), tail=int(env("TAIL", "4096")), select=env("SELECT", "probe"),
                 n_gpu_layers=99, out_dir=sys.argv[3], label=env("LABEL", f"{preset}-{env('DTYPE', 'q8_0')}-h200"),
                 extra=("--override-kv", f"{arch}.context_length=int:1048576"))
