@@ -150,3 +150,28 @@ def test_with_the_rescale_flag_fit_projects_room_for_every_rows_input_and_a_resc
     assert parse_breakdown(rf)["Host"]["self"] == fit_projection_mib(rf)
     # the flag's room is made once the server's parameters are set at start, before any request
     assert "grows" not in rf[rf.index("RidgeFill prefill of"):]
+
+
+def test_sweep_ones_attention_score_for_the_probes_budget_fits_in_what_attach_reserved(tmp_path):
+    # with the budget the probe also counts the attention the prompt's last rows pay the prefix in the layers below
+    # the split; sweep one sums it in the ubatch that holds them. Many query heads per KV head, a context of 8,192
+    # cells and flash attention on (whose stock graph holds no [cells x rows x heads] matrix) make that sum the
+    # largest graph, as for the 27B hybrid shape at 128K on CUDA
+    require_builds("ridgefill")
+    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+
+    model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=4, n_embd=256, n_head=16, n_head_kv=2,
+                                       head_dim=16)
+    extra = ("-fa", "on", "-b", "512", "-ub", "512", "-v", "--override-kv", "qwen35.context_length=int:8192")
+    with Server(model, maps, n_ctx=8192, threads=2, extra=extra, log_path=tmp_path / "score.log", tail=256,
+                min_prefix=0) as srv:
+        for select in ("none", "probe"):
+            r = srv.complete([1000 + (i * 7919) % 20000 for i in range(8000)], n_predict=1, ridgefill=True,
+                             cache_prompt=False, ridgefill_select=select)
+            assert r["timings"]["ridgefill"]["filled"] > 0, r["timings"]
+    assert r["timings"]["ridgefill"]["budget"] > 0, r["timings"]  # the budget's rows came from that score
+    log = (tmp_path / "score.log").read_text(errors="replace")
+    reserved = float(re.findall(r"RidgeFill's graphs reserved: CPU compute buffer ([\d.]+) MiB", log)[-1])
+    grown = compute_growth(log).get("CPU")
+    held = grown["held_mib"] if grown else float(re.findall(r"CPU compute buffer size = +([\d.]+) MiB", log)[-1])
+    assert abs(held - reserved) < 0.01, (held, reserved, grown)
