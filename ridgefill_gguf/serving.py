@@ -111,18 +111,27 @@ def summarize(cells: list[dict]) -> list[dict]:
         med = {k: statistics.median([c[k] for c in cs]) for k in
                ("ttft_s", "stall_max_s", "stall_p99_s", "itl_median_s", "others_tok_per_s", "others_tokens_during")}
         rows.append({"users": users, "kv": kv, "arm": "ridgefill" if rf else "stock", "reps": len(cs),
-                     "worst_stall_s": max(c["stall_max_s"] for c in cs),
+                     "worst_stall_s": max(c["stall_max_s"] for c in cs), "longest_slice": longest_slice(cs),
                      "errors": sum(len(c["errors"]) for c in cs), **med})
     return rows
 
 
+def longest_slice(cells: list[dict]) -> str:
+    """The RidgeFill prefill's longest run between the other slots' batches over the cells, with the stage it ended
+    in ("" for stock, or a server that does not report it)."""
+    runs = [(c["rf"]["slice_max_ms"], c["rf"]["slice_max_stage"]) for c in cells
+            if c.get("rf") and "slice_max_ms" in c["rf"]]
+    return f"{max(runs)[0]:.0f} ({max(runs)[1]})" if runs else ""
+
+
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "", "| users | KV | arm | TTFT s | others' worst stall s | p99 stall s | ITL ms | others tok/s | "
-             "their tokens during the prefill | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "their tokens during the prefill | longest slice ms (stage) | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['users']} | {r['kv']} | {r['arm']} | {r['ttft_s']:.2f} | {r['worst_stall_s']:.3f} | "
                      f"{r['stall_p99_s']:.3f} | {1000 * r['itl_median_s']:.1f} | {r['others_tok_per_s']:.1f} | "
-                     f"{r['others_tokens_during']:.0f} | {r['errors']} |")
+                     f"{r['others_tokens_during']:.0f} | {r.get('longest_slice', '')} | {r['errors']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -44,6 +44,9 @@ def test_another_user_streaming_waits_no_longer_during_a_ridgefill_prefill_than_
     assert stock["rf"] is None and rf["rf"]["filled"] > 0 and rf["rf"]["slices"] > 1, rf["rf"]
     # the prefill's own time counts the device work it left for the others' batches to wait on (none on the CPU)
     assert 0 <= rf["rf"]["sync_ms"] <= rf["rf"]["total_ms"] <= rf["rf"]["wall_ms"], rf["rf"]
+    # the longest slice is what the other user waited at most for the prefill (a step of the default 50 ms at least)
+    assert 0 < rf["rf"]["slice_max_ms"] <= rf["rf"]["total_ms"], rf["rf"]
+    assert rf["rf"]["slice_max_stage"] in ("sweep one", "probe", "fill", "late layers", "done"), rf["rf"]
     assert rf["others_tokens_during"] >= 2, rf  # the other user got tokens while the prefill ran
     assert rf["stall_max_s"] <= stock["stall_max_s"], (rf["stall_max_s"], stock["stall_max_s"])
     # the log follows the prefill as it follows a stock prompt: a line as each stage begins, each two seconds within
@@ -121,6 +124,8 @@ def test_the_serving_command_writes_json_markdown_and_a_plot_of_the_stalls(smoll
     assert set(arms) == {"stock", "ridgefill"} and all(r["errors"] == 0 for r in arms.values())
     assert [c["rf"]["filled"] > 0 for c in out["cells"] if c["ridgefill"]] == [True]
     assert next(tmp_path.glob("*-smollm2.png")).stat().st_size > 0 and "| 2 | unified | ridgefill |" in res.output
+    # the table says which step held the others longest (the stock row has none)
+    assert arms["ridgefill"]["longest_slice"].endswith(")") and arms["stock"]["longest_slice"] == "", arms
 
 
 def test_another_user_streaming_waits_no_longer_during_a_hybrids_ridgefill_prefill_than_during_a_stock_one(tmp_path):
