@@ -127,6 +127,19 @@ def test_the_phase_table_splits_ridgefills_time_into_phases_that_add_up_and_ceil
         assert ideal == pytest.approx(up / x["ceiling_macs"], abs=1)
 
 
+def test_the_phase_table_takes_the_engines_totals_from_a_result_that_records_them():
+    import subprocess
+    import sys
+
+    result = ROOT / "results" / "bench" / "2026-12-06-qwen35-27b-q8_0-shape-h100-session28-streamed-long.json"
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_phases.py"), str(result), "--placement",
+                          "streamed"], capture_output=True, text=True, check=True).stdout
+    r = json.loads(result.read_text())
+    for x in r["rows"]:  # after the prefill: the server's prompt time less the engine's own
+        after = x["median_ridgefill_ms"] - x["phases_ms"]["total_ms"]
+        assert f"| {x['tokens']} | {x['median_ridgefill_ms']:,.0f} " in out and f"| {after:,.0f} | exact arm |" in out
+
+
 def test_a_bench_run_writes_json_markdown_and_a_plot_and_records_the_engines_environment(tmp_path, monkeypatch):
     require_builds("ridgefill")
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=2)

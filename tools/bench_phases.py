@@ -1,12 +1,13 @@
 """Where a bench run's RidgeFill time goes: each phase against its share of the stock time by multiply-accumulates.
 
-    python tools/bench_phases.py results/bench/X.json results/bench/X.server.log [--placement resident]
+    python tools/bench_phases.py results/bench/X.json [results/bench/X.server.log] [--placement resident]
 
 Per length: RidgeFill's median prompt time; sweep one, fill and exact rows (the engine's own timings, medians),
 each beside (in parentheses) its MAC share of the upstream build's median, or of the exact arm's where upstream
 did not run; the rest of the prefill (the engine's total less its three phases); and what comes after the
 prefill (the server's prompt time less the engine's total: the last prompt token's stock decode, the stock
-worst-case reservation). The engine's totals come from the server log's "RidgeFill prefill" lines of the timed
+worst-case reservation, a hybrid's last rows kept for its checkpoint). The engine's totals come from the result's
+phases (`total_ms`, where the result records it), else from the server log's "RidgeFill prefill" lines of the timed
 requests.
 """
 from __future__ import annotations
@@ -62,11 +63,18 @@ def phase_rows(r: dict, totals: dict[int, float], placement: str) -> list[list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result", type=Path)
-    ap.add_argument("server_log", type=Path, help="the RidgeFill server's log of the same run and placement")
+    ap.add_argument("server_log", type=Path, nargs="?",
+                    help="the RidgeFill server's log of the same run and placement (for results without total_ms)")
     ap.add_argument("--placement", default="resident")
     args = ap.parse_args()
     r = json.loads(args.result.read_text())
-    rows = phase_rows(r, engine_totals(args.server_log, r["repeats"]), args.placement)
+    totals = {x["tokens"]: x["phases_ms"]["total_ms"] for x in r["rows"]
+              if x["placement"] == args.placement and "total_ms" in x["phases_ms"]}
+    if args.server_log:
+        totals = engine_totals(args.server_log, r["repeats"])
+    elif not totals:
+        sys.exit(f"bench_phases: {args.result} has no engine totals (total_ms): give its server log")
+    rows = phase_rows(r, totals, args.placement)
     print("\n".join(markdown_table(
         f"{args.result.name}, {args.placement}: ms, in parentheses the MAC share of the stock time",
         ["tokens", "RidgeFill", "sweep one", "fill", "exact rows", "rest of the prefill", "after the prefill",
