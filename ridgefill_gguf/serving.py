@@ -117,11 +117,14 @@ def summarize(cells: list[dict]) -> list[dict]:
 
 
 def longest_slice(cells: list[dict]) -> str:
-    """The RidgeFill prefill's longest run between the other slots' batches over the cells, with the stage it ended
-    in ("" for stock, or a server that does not report it)."""
+    """The RidgeFill prefill's longest run while the other slots waited, over the cells, with its last step's stage
+    ("" for stock, or a server that does not report it)."""
     runs = [(c["rf"]["slice_max_ms"], c["rf"]["slice_max_stage"]) for c in cells
             if c.get("rf") and "slice_max_ms" in c["rf"]]
-    return f"{max(runs)[0]:.0f} ({max(runs)[1]})" if runs else ""
+    if not runs:
+        return ""
+    ms, stage = max(runs)
+    return f"{ms:.0f} ({stage})"
 
 
 def markdown(rows: list[dict], header: str) -> str:

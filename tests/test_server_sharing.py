@@ -44,7 +44,7 @@ def test_another_user_streaming_waits_no_longer_during_a_ridgefill_prefill_than_
     assert stock["rf"] is None and rf["rf"]["filled"] > 0 and rf["rf"]["slices"] > 1, rf["rf"]
     # the prefill's own time counts the device work it left for the others' batches to wait on (none on the CPU)
     assert 0 <= rf["rf"]["sync_ms"] <= rf["rf"]["total_ms"] <= rf["rf"]["wall_ms"], rf["rf"]
-    # the longest slice is what the other user waited at most for the prefill (a step of the default 50 ms at least)
+    # the longest slice is what the other user waited at most for the prefill
     assert 0 < rf["rf"]["slice_max_ms"] <= rf["rf"]["total_ms"], rf["rf"]
     assert rf["rf"]["slice_max_stage"] in ("begin", "sweep one", "probe", "fill", "late layers", "done"), rf["rf"]
     assert rf["others_tokens_during"] >= 2, rf  # the other user got tokens while the prefill ran

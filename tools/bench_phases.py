@@ -68,12 +68,13 @@ def main() -> None:
     ap.add_argument("--placement", default="resident")
     args = ap.parse_args()
     r = json.loads(args.result.read_text())
-    totals = {x["tokens"]: x["phases_ms"]["total_ms"] for x in r["rows"]
-              if x["placement"] == args.placement and "total_ms" in x["phases_ms"]}
     if args.server_log:
         totals = engine_totals(args.server_log, r["repeats"])
-    elif not totals:
-        sys.exit(f"bench_phases: {args.result} has no engine totals (total_ms): give its server log")
+    else:
+        totals = {x["tokens"]: x["phases_ms"]["total_ms"] for x in r["rows"]
+                  if x["placement"] == args.placement and "total_ms" in x["phases_ms"]}
+        if not totals:
+            sys.exit(f"bench_phases: {args.result} has no engine totals (total_ms): give its server log")
     rows = phase_rows(r, totals, args.placement)
     print("\n".join(markdown_table(
         f"{args.result.name}, {args.placement}: ms, in parentheses the MAC share of the stock time",
