@@ -111,3 +111,25 @@ def test_the_blocked_state_update_follows_numpy_and_the_row_walk_to_float_roundi
         assert blocked.tobytes() != fused.tobytes(), name  # the blocked kernel ran
         assert err_b < max(3 * floor, 1e-4) and moved < max(3 * floor, 1e-4), (name, err_b, moved, floor)
     assert arrays["default"].tobytes() == arrays["ridge|blocked"].tobytes()
+
+
+def test_a_carry_graph_that_reads_only_the_states_leaves_the_outputs_unwritten_without_moving_a_byte_on_cuda(
+        wide_hybrid, tmp_path):
+    # in 128-row carry graphs, rows 128-255 are all filled, so their graphs read only the states and the blocked
+    # update skips the outputs: filling those with NaN, or writing them, must give the same bytes (no graph reads
+    # what was skipped, and the states are the same)
+    require_cuda_builds("ridgefill")
+    model, maps, _, _, tokens = wide_hybrid
+    runs = [{"name": "ridge", "rows": TAIL, "params": {**base(4096), "recurrent_chunk": 128}},
+            {"name": "probe", "rows": TAIL, "params": {**base(4096, probe=[8, 10]), "recurrent_chunk": 128}}]
+    out = {}
+    for unread in ("", "nan", "write"):
+        (tmp_path / (unread or "skip")).mkdir()
+        out[unread], stats = run_engine(model, maps, runs, session=GPU, tokens=tokens,
+                                        tmp_path=tmp_path / (unread or "skip"),
+                                        env={"GGML_CUDA_RIDGEFILL_GDN_UNREAD_OUTPUTS": unread})
+        assert stats["ridge"]["n_filled"] > 200
+    for run in runs:
+        assert np.isfinite(out["nan"][run["name"]]).all(), run["name"]
+        assert out[""][run["name"]].tobytes() == out["nan"][run["name"]].tobytes() == \
+            out["write"][run["name"]].tobytes(), run["name"]

@@ -3,9 +3,10 @@
 // kernel, so its time can grow with the rows whatever the arithmetic: this measures how.
 //   gdn_bench S_V H_K H_V TOKENS[,TOKENS...] [SEQS[,SEQS...]] [REPEATS]   -> one JSON object on stdout
 // SEQS splits the rows into that many sequences of TOKENS/SEQS rows each (the same rows, more parallel work).
-// Each cell times the op twice: as llama_decode builds it, and asked for RidgeFill's blocked form (op param 1,
-// which a backend without that kernel ignores), and says how far the blocked outputs and states are from the
-// row walk's, relative to their largest magnitude.
+// Each cell times the op three times: as llama_decode builds it; asked for RidgeFill's blocked form (op param 1,
+// which a backend without that kernel ignores), saying how far the blocked outputs and states are from the row
+// walk's, relative to their largest magnitude; and blocked with the outputs unread (op param 2, RidgeFill's carry
+// over filled rows), saying whether its states have the blocked form's bytes.
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <sstream>
 #include <string>
@@ -56,8 +58,9 @@ static void fill_unit_rows(ggml_tensor * t, std::mt19937 & rng) {
 }
 
 struct gdn_cell {
-    double ms_row_walk, ms_blocked;
+    double ms_row_walk, ms_blocked, ms_states_only;
     double out_err, state_err; // largest difference over the largest magnitude
+    bool   states_only_same;   // the states-only form's states have the blocked form's bytes
 };
 
 static double rel_err(const std::vector<float> & a, const std::vector<float> & b, size_t from, size_t to) {
@@ -87,7 +90,7 @@ static double median_ms(ggml_backend_t backend, ggml_cgraph * gf, int repeats) {
 static gdn_cell time_gdn(ggml_backend_t backend, int64_t s_v, int64_t h_k, int64_t h_v, int64_t n_tokens,
                          int64_t n_seqs, int repeats, bool unit_keys) {
     const int64_t per_seq = n_tokens / n_seqs;
-    ggml_init_params ip = { 16*ggml_tensor_overhead() + 2*ggml_graph_overhead(), nullptr, true };
+    ggml_init_params ip = { 16*ggml_tensor_overhead() + 3*ggml_graph_overhead(), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, s_v, h_k, per_seq, n_seqs);
     ggml_tensor * k = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, s_v, h_k, per_seq, n_seqs);
@@ -97,13 +100,19 @@ static gdn_cell time_gdn(ggml_backend_t backend, int64_t s_v, int64_t h_k, int64
     ggml_tensor * s = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, s_v, s_v, h_v, n_seqs);
     ggml_tensor * walk    = ggml_gated_delta_net(ctx, q, k, v, g, b, s, 1);
     ggml_tensor * blocked = ggml_gated_delta_net(ctx, q, k, v, g, b, s, 1);
+    ggml_tensor * states  = ggml_gated_delta_net(ctx, q, k, v, g, b, s, 1);
     blocked->op_params[1] = 1; // RidgeFill's blocked form, where the backend has it
+    states->op_params[1]  = 1;
+    states->op_params[2]  = 1; // no node reads the outputs
     ggml_set_output(walk);
     ggml_set_output(blocked);
+    ggml_set_output(states);
     ggml_cgraph * gf_walk = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf_walk, walk);
     ggml_cgraph * gf_blocked = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf_blocked, blocked);
+    ggml_cgraph * gf_states = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf_states, states);
 
     ggml_backend_buffer_t inputs = ggml_backend_alloc_ctx_tensors(ctx, backend);
     if (!inputs) {
@@ -126,12 +135,16 @@ static gdn_cell time_gdn(ggml_backend_t backend, int64_t s_v, int64_t h_k, int64
     gdn_cell cell{};
     cell.ms_row_walk = median_ms(backend, gf_walk, repeats);
     cell.ms_blocked  = median_ms(backend, gf_blocked, repeats);
-    std::vector<float> a(ggml_nelements(walk)), c(ggml_nelements(blocked));
+    cell.ms_states_only = median_ms(backend, gf_states, repeats);
+    std::vector<float> a(ggml_nelements(walk)), c(ggml_nelements(blocked)), d(ggml_nelements(states));
     ggml_backend_tensor_get(walk, a.data(), 0, ggml_nbytes(walk));
     ggml_backend_tensor_get(blocked, c.data(), 0, ggml_nbytes(blocked));
+    ggml_backend_tensor_get(states, d.data(), 0, ggml_nbytes(states));
     const size_t n_out = (size_t) (s_v * h_v * n_tokens);
     cell.out_err   = rel_err(a, c, 0, n_out);
     cell.state_err = rel_err(a, c, n_out, a.size());
+    cell.states_only_same = std::equal(c.begin() + n_out, c.end(), d.begin() + n_out,
+                                       [](float x, float y) { return std::memcmp(&x, &y, sizeof(float)) == 0; });
     ggml_backend_buffer_free(inputs);
     ggml_free(ctx);
     return cell;
@@ -164,9 +177,11 @@ int main(int argc, char ** argv) {
                 const gdn_cell c = time_gdn(backend, s_v, h_k, h_v, n, m, repeats, unit_keys);
                 printf("%s\n  {\"tokens\": %lld, \"seqs\": %lld, \"unit_keys\": %s, \"ms\": %.4f, "
                        "\"us_per_token\": %.5f, \"blocked_ms\": %.4f, \"blocked_us_per_token\": %.5f, "
-                       "\"blocked_out_err\": %.3g, \"blocked_state_err\": %.3g}", sep, (long long) n,
+                       "\"blocked_out_err\": %.3g, \"blocked_state_err\": %.3g, \"states_only_ms\": %.4f, "
+                       "\"states_only_us_per_token\": %.5f, \"states_only_same_states\": %s}", sep, (long long) n,
                        (long long) m, unit_keys ? "true" : "false", c.ms_row_walk, 1000.0*c.ms_row_walk/n,
-                       c.ms_blocked, 1000.0*c.ms_blocked/n, c.out_err, c.state_err);
+                       c.ms_blocked, 1000.0*c.ms_blocked/n, c.out_err, c.state_err, c.ms_states_only,
+                       1000.0*c.ms_states_only/n, c.states_only_same ? "true" : "false");
                 fflush(stdout);
                 sep = ",";
             }
