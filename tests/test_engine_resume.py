@@ -1,6 +1,7 @@
 """A RidgeFill prefill again over rows the last one put in the cache (the exact-only follow-up: the same document, a
 new question) takes their split state from that prefill's sweep one (llama_ridgefill_held_rows / _prefill_resume):
-it gives the bytes of a fresh RidgeFill prefill of the whole conversation, and it takes no row it should not."""
+it gives the bytes of a fresh RidgeFill prefill of the whole conversation, on a hybrid too (with the states its rows
+left below the split put back), and it takes no row it should not."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,8 @@ from test_engine_steps import run_script
 # the default selector's kind (the probe with its budget, which scores the last rows' lower-layer attention too)
 PARAMS = {"tail": 40, "fill": "ridge", "chunk": 48, "min_prefix": 0, "probe_budget": [16, 1.0]}
 
-SCRIPT = r'''
+# the first prompt, then a follow-up resumed over it, against a fresh prefill of the follow-up
+COMMON = r'''
 import json, sys
 import numpy as np
 from ridgefill_gguf.engine.session import Session
@@ -40,7 +42,9 @@ res["held"], res["applied"] = st["held"], st["applied"]
 res["exact_rows_equal"] = st["exact_rows"] == st_fresh["exact_rows"]
 res["identical"] = resumed.tobytes() == fresh.tobytes()
 res["max_diff"] = float(np.abs(resumed - fresh).max())
-# the resumed prefill's own sweep one is held now; a prefill of another prompt in between leaves none
+'''
+
+SCRIPT = COMMON + r'''# the resumed prefill's own sweep one is held now; a prefill of another prompt in between leaves none
 res["held_after_resumed"] = B.held_rows(S.ctx, follow[:-1], 0)
 S.ridgefill([7] * 300, **p)
 res["held_after_another_prompt"] = B.held_rows(S.ctx, follow[:-1], 0)
@@ -116,22 +120,33 @@ def test_a_resume_of_more_rows_than_are_held_does_not_begin_and_removes_them(res
     assert resumed["pos_max_after"] == -1
 
 
-HYBRID_SCRIPT = r'''
-import json, sys
-import numpy as np
-from ridgefill_gguf.engine.session import Session
-from ridgefill_gguf.engine import bindings as B
-
-cfg = json.loads(sys.argv[1])
-S = Session(cfg["model"], n_ctx=1024, n_batch=64, n_ubatch=32, n_threads=2, maps=cfg["maps"])
-tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 5000, 400)]
-_, _, st = S.ridgefill(tokens, **cfg["params"])
-print("RESULT " + json.dumps({"applied": st["applied"], "held": B.held_rows(S.ctx, tokens[:-1], 0)}))
+HYBRID_SCRIPT = COMMON + r'''S.ridgefill(first, **p)
+res["keep_refused"] = B.keep_held(S.ctx, 0, 100)  # not where that prefill ended: every row goes
+res["pos_max_after_refusal"] = S.lc.llama_memory_seq_pos_max(S.lc.llama_get_memory(S.ctx), 0)
+print("RESULT " + json.dumps(res))
 '''
 
 
-def test_a_hybrid_holds_no_rows_since_its_recurrent_state_cannot_go_back(tmp_path):
+@pytest.fixture(scope="module")
+def hybrid_resumed(tmp_path_factory):
+    """HYBRID_SCRIPT's answers on an 8-layer qwen35 with maps at split 2 (DeltaNet layers below and after it)."""
     require_builds("ridgefill")
-    model, maps = tiny_model_with_maps(tmp_path, "qwen35", n_layer=8, split=2)
-    res = run_script(HYBRID_SCRIPT, {"model": str(model), "maps": str(maps), "params": PARAMS})
-    assert res == {"applied": 1, "held": 0}
+    model, maps = tiny_model_with_maps(tmp_path_factory.mktemp("engine-resume-hybrid"), "qwen35", n_layer=8, split=2)
+    return run_script(HYBRID_SCRIPT, {"model": str(model), "maps": str(maps), "params": PARAMS})
+
+
+def test_a_hybrid_follow_up_resumed_with_the_lower_states_its_rows_left_gives_the_bytes_of_a_fresh_prefill(
+        hybrid_resumed):
+    res = hybrid_resumed
+    assert res["held_after_first"] == 256 and res["held"] == 256 and res["applied"] == 1
+    assert res["exact_rows_equal"]
+    assert res["identical"], res["max_diff"]
+
+
+def test_a_hybrid_holds_all_rows_of_a_prefill_from_position_0_or_none_since_its_state_cannot_go_back_elsewhere(
+        hybrid_resumed):
+    res = hybrid_resumed
+    assert res["held_from_100"] == 0
+    assert res["held_with_a_changed_token"] == 0
+    assert res["held_for_a_short_question"] == 0  # the last 64 rows are scored in sweep one: fewer than all 256
+    assert res["keep_refused"] is False and res["pos_max_after_refusal"] == -1

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 20
+API_VERSION = 21
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -66,6 +66,7 @@ _SIGNATURES = {
     "llama_ridgefill_prefill_resume": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                                         ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_forget_held": (None, [ctypes.c_void_p]),
+    "llama_ridgefill_keep_held": (ctypes.c_bool, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]),
     "llama_ridgefill_prefill_step": (ctypes.c_int32, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_cancel": (None, [ctypes.c_void_p]),
     "llama_ridgefill_prefill_active": (ctypes.c_int32, [ctypes.c_void_p]),
@@ -298,6 +299,12 @@ def held_rows(ctx, tokens: list[int], pos: int, *, seq: int = 0) -> int:
     """How many leading rows of tokens, at positions from pos, a resumed prefill can take from the last sweep one."""
     arr = (ctypes.c_int32 * len(tokens))(*tokens)
     return int(_prefill_lib().llama_ridgefill_held_rows(ctx, seq, pos, arr, len(tokens)))
+
+
+def keep_held(ctx, pos: int, n_held: int, *, seq: int = 0) -> bool:
+    """Remove the sequence's rows from pos + n_held on, keeping the held rows before them (on a hybrid, with the
+    states they left below the split); False where it cannot, with the rows from pos on removed (a hybrid's all)."""
+    return bool(_prefill_lib().llama_ridgefill_keep_held(ctx, seq, pos, n_held))
 
 
 def forget_held(ctx) -> None:

@@ -224,7 +224,8 @@ class Session:
         [0, S) run only for the rest; every row's late layers are written anew."""
         self.bindings.configure(self.ctx, **params)
         n_held = self.bindings.held_rows(self.ctx, tokens[:-1], 0)
-        self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(self.ctx), 0, n_held, -1)
+        if not self.bindings.keep_held(self.ctx, 0, n_held):
+            n_held = 0
         logits, seconds, stats = self._ridgefill_prompt(tokens, n_held)
         return logits, seconds, {**stats, "held": n_held if stats["applied"] else 0}
 
