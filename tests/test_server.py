@@ -541,6 +541,30 @@ def test_a_hybrid_restores_checkpoints_of_approximated_state_only_for_requests_t
     assert "ridgefill" not in stock["timings"]
 
 
+def test_a_hybrids_exact_only_follow_up_resumes_with_the_states_its_rows_left_and_answers_as_one_that_cannot(
+        hybrid_and_maps):
+    # a hybrid's recurrent state cannot go back, so the engine keeps the states the first prefill's rows left below
+    # the split, and the follow-up resumes over all of them from position 0 instead of looking for a checkpoint
+    require_builds("ridgefill")
+    model, maps, d = hybrid_and_maps
+    log = d / "hybrid-resume.log"
+    ask = dict(n_predict=4, n_probs=5, cache_prompt=True, ridgefill_reuse="exact-only")
+    follow_up = PROMPT + FOLLOW_UP * 2  # more than the 64 rows the budget scores in sweep one after the held ones
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, slots=2, extra=("--metrics",), log_path=log) as srv:
+        first = srv.complete(PROMPT, n_predict=4, id_slot=0)
+        resumed = srv.complete(follow_up, id_slot=0, **ask)
+        srv.complete(PROMPT, n_predict=4, id_slot=0)
+        srv.complete(PROMPT, n_predict=2, id_slot=1)  # another slot's RidgeFill prefill: the engine holds its rows now
+        fresh = srv.complete(follow_up, id_slot=0, **ask)
+        counted = metric(srv, "ridgefill_rows_resumed_total")
+    rf, rf_fresh = resumed["timings"]["ridgefill"], fresh["timings"]["ridgefill"]
+    assert rf["resumed"] == first["timings"]["ridgefill"]["rows"] > 0 and rf_fresh["resumed"] == 0
+    assert counted == rf["resumed"] and f"({rf['resumed']} resumed from the held split state)" in log.read_text()
+    assert resumed["timings"]["cache_n"] == rf["resumed"] and fresh["timings"]["cache_n"] == 0
+    assert rf["rows"] == rf_fresh["rows"]
+    assert top_logprob_gap(resumed, fresh) < STOCK_NOISE
+
+
 def test_a_hybrid_request_whose_prompt_fits_the_rows_kept_for_its_checkpoint_says_why_it_got_the_stock_prefill(
         hybrid_and_maps):
     # a hybrid's slot prefills a prompt's last 4 + ubatch rows the stock way, to checkpoint its state before them
