@@ -120,7 +120,14 @@ def test_a_resume_of_more_rows_than_are_held_does_not_begin_and_removes_them(res
     assert resumed["pos_max_after"] == -1
 
 
-HYBRID_SCRIPT = COMMON + r'''S.ridgefill(first, **p)
+HYBRID_SCRIPT = COMMON + r'''# a follow-up that adds fewer rows than the budget scores resumes up to the batch boundary kept before them
+short = first + [int(t) for t in rng.integers(1000, 5000, 20)]
+fresh_short = S.ridgefill(short, **p)[0]
+S.ridgefill(first, **p)
+resumed_short, _, st_short = S.ridgefill_resumed(short, **p)
+res["short_held"] = st_short["held"]
+res["short_identical"] = resumed_short.tobytes() == fresh_short.tobytes()
+S.ridgefill(first, **p)
 res["keep_refused"] = B.keep_held(S.ctx, 0, 100)  # not where that prefill ended: every row goes
 res["pos_max_after_refusal"] = S.lc.llama_memory_seq_pos_max(S.lc.llama_get_memory(S.ctx), 0)
 print("RESULT " + json.dumps(res))
@@ -143,10 +150,13 @@ def test_a_hybrid_follow_up_resumed_with_the_lower_states_its_rows_left_gives_th
     assert res["identical"], res["max_diff"]
 
 
-def test_a_hybrid_holds_all_rows_of_a_prefill_from_position_0_or_none_since_its_state_cannot_go_back_elsewhere(
+def test_a_hybrid_holds_rows_only_up_to_where_its_states_were_kept_since_its_state_cannot_go_back_elsewhere(
         hybrid_resumed):
+    # kept after all 256 rows of the first prefill, and at its last batch boundary (64 rows) at or before row
+    # 256 + 1 - 64, where the shortest follow-up's scored rows begin
     res = hybrid_resumed
     assert res["held_from_100"] == 0
-    assert res["held_with_a_changed_token"] == 0
-    assert res["held_for_a_short_question"] == 0  # the last 64 rows are scored in sweep one: fewer than all 256
+    assert res["held_with_a_changed_token"] == 192    # a change at row 200
+    assert res["held_for_a_short_question"] == 192    # 20 rows added: its last 64 rows begin at 212
+    assert res["short_held"] == 192 and res["short_identical"]
     assert res["keep_refused"] is False and res["pos_max_after_refusal"] == -1
