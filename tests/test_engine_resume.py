@@ -130,6 +130,14 @@ res["short_identical"] = resumed_short.tobytes() == fresh_short.tobytes()
 S.ridgefill(first, **p)
 res["keep_refused"] = B.keep_held(S.ctx, 0, 100)  # not where that prefill ended: every row goes
 res["pos_max_after_refusal"] = S.lc.llama_memory_seq_pos_max(S.lc.llama_get_memory(S.ctx), 0)
+# a follow-up over the reused cache continues the whole cached sequence; a part of it cannot be kept alone
+S.ridgefill(first, **p)
+res["extended_reused"] = S.extend(first, follow)[1]
+try:
+    S.extend(follow, first[:100] + [7] * 30)
+    res["partial_extend"] = "kept"
+except RuntimeError as e:
+    res["partial_extend"] = str(e)
 print("RESULT " + json.dumps(res))
 '''
 
@@ -160,3 +168,5 @@ def test_a_hybrid_holds_rows_only_up_to_where_its_states_were_kept_since_its_sta
     assert res["held_for_a_short_question"] == 192    # 20 rows added: its last 64 rows begin at 212
     assert res["short_held"] == 192 and res["short_identical"]
     assert res["keep_refused"] is False and res["pos_max_after_refusal"] == -1
+    assert res["extended_reused"] == 257
+    assert "cannot keep its first 100 of 377 positions alone" in res["partial_extend"]

@@ -192,7 +192,9 @@ class Session:
         k = 0
         while k < min(len(cached), len(tokens) - 1) and cached[k] == tokens[k]:
             k += 1
-        self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(self.ctx), 0, k, -1)
+        if not self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(self.ctx), 0, k, -1):
+            raise RuntimeError(f"the cache cannot keep its first {k} of {len(cached)} positions alone: this model's "
+                               "recurrent state cannot go back (continue the whole cached sequence instead)")
         for start in range(k, len(tokens), self.n_batch):
             part = tokens[start:start + self.n_batch]
             self._decode(part, start, "last" if start + len(part) == len(tokens) else None)
