@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .serve import Server
+from .serve import Server, ServerError
 
 
 @dataclass
@@ -138,6 +138,27 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def server_cells(srv: Server, lengths: list[int], users: list[int], *, kv: str, ym: int, reps: int, warmup: bool,
+                 log) -> list[dict]:
+    """Every length, user count and repetition on one server, stock and RidgeFill alternating."""
+    cells = []
+    for n in lengths:
+        prompt = [1] + [1000 + (i * 7919) % 30000 for i in range(n - 1)]
+        for c in users:
+            if warmup:  # buffers, graphs and batch shapes of this length and user count, unrecorded
+                for rf in (False, True):
+                    one_cell(srv, prompt, c, rf, others_prompt=prompt[:16], n_warm=2, n_after=1)
+            for rep in range(reps):
+                for rf in (False, True):
+                    cell = one_cell(srv, prompt, c, rf, others_prompt=prompt[:16])
+                    cell.update(kv=kv, yield_ms=ym, tokens=n, rep=rep)
+                    cells.append(cell)
+                    log(f"serving: {n} tokens, {c} users, {kv} KV, yield {ym} ms, "
+                        f"{'RidgeFill' if rf else 'stock'}: TTFT {cell['ttft_s']:.2f} s, others' worst "
+                        f"stall {cell['stall_max_s']:.3f} s, errors {len(cell['errors'])}")
+    return cells
+
+
 def run_serving(model, maps, lengths: list[int], users: list[int], *, kv_modes=("unified", "separate"),
                 yield_ms=(50,), reps: int = 1, tail: int = 4096, select: str = "probe", n_gpu_layers: int | None = None,
                 threads: int | None = None, out_dir="results/serving", label: str = "serving", warmup: bool = True,
@@ -152,30 +173,22 @@ def run_serving(model, maps, lengths: list[int], users: list[int], *, kv_modes=(
 
     n_slots = max(users)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    cells = []
+    cells, not_run = [], []
     for kv in kv_modes:
         for ym in yield_ms:
             # unified: the slots share the cache, so one long prompt and the others' short ones fit; separate:
             # every slot gets a long prompt's worth
             n_ctx = max(lengths) + 1024 * n_slots if kv == "unified" else n_slots * (max(lengths) + 1024)
             args = ("-kvu" if kv == "unified" else "-no-kvu", "--ridgefill-yield-ms", str(ym), *extra)
-            with Server(model, maps, tail=tail, select=select, slots=n_slots, n_ctx=n_ctx, threads=threads,
-                        n_gpu_layers=n_gpu_layers, extra=args,
-                        log_path=Path(out_dir) / f"{label}-{kv}-yield{ym}.server.log") as srv:
-                for n in lengths:
-                    prompt = [1] + [1000 + (i * 7919) % 30000 for i in range(n - 1)]
-                    for c in users:
-                        if warmup:  # buffers, graphs and batch shapes of this length and user count, unrecorded
-                            for rf in (False, True):
-                                one_cell(srv, prompt, c, rf, others_prompt=prompt[:16], n_warm=2, n_after=1)
-                        for rep in range(reps):
-                            for rf in (False, True):
-                                cell = one_cell(srv, prompt, c, rf, others_prompt=prompt[:16])
-                                cell.update(kv=kv, yield_ms=ym, tokens=n, rep=rep)
-                                cells.append(cell)
-                                log(f"serving: {n} tokens, {c} users, {kv} KV, yield {ym} ms, "
-                                    f"{'RidgeFill' if rf else 'stock'}: TTFT {cell['ttft_s']:.2f} s, others' worst "
-                                    f"stall {cell['stall_max_s']:.3f} s, errors {len(cell['errors'])}")
+            log_path = Path(out_dir) / f"{label}-{kv}-yield{ym}.server.log"
+            try:
+                with Server(model, maps, tail=tail, select=select, slots=n_slots, n_ctx=n_ctx, threads=threads,
+                            n_gpu_layers=n_gpu_layers, extra=args, log_path=log_path) as srv:
+                    cells += server_cells(srv, lengths, users, kv=kv, ym=ym, reps=reps, warmup=warmup, log=log)
+            except ServerError as e:  # e.g. separate KV for every slot does not fit the device: the others still run
+                reason = str(e).splitlines()[0]
+                not_run.append({"kv": kv, "yield_ms": ym, "n_ctx": n_ctx, "slots": n_slots, "reason": reason})
+                log(f"serving: {kv} KV, yield {ym} ms, a context of {n_ctx} over {n_slots} slots: not run: {reason}")
     rows = []
     for n in lengths:
         for ym in yield_ms:
@@ -185,13 +198,15 @@ def run_serving(model, maps, lengths: list[int], users: list[int], *, kv_modes=(
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{datetime.date.today().isoformat()}-{label}"
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "model": str(model), "maps": str(maps),
-              "tail": tail, "select": select, "cells": cells, "summary": rows}
+              "tail": tail, "select": select, "cells": cells, "summary": rows, "not_run": not_run}
     write_atomic(stem.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
     md = []
     for n in lengths:
         for ym in yield_ms:
             part = [r for r in rows if r["tokens"] == n and r["yield_ms"] == ym]
             md.append(markdown(part, f"## {n} tokens, --ridgefill-yield-ms {ym}"))
+    md += [f"Not run: {r['kv']} KV, yield {r['yield_ms']} ms (a context of {r['n_ctx']} over {r['slots']} slots): "
+           f"{r['reason']}\n" for r in not_run]
     write_atomic(stem.with_suffix(".md"), f"# Mixed serving: {label}\n\n`{result['command']}`\n\n" + "\n".join(md))
     files = [str(stem.with_suffix(".json")), str(stem.with_suffix(".md"))]
     try:

@@ -207,3 +207,28 @@ def test_an_exact_only_follow_up_released_while_its_resumed_prefill_runs_or_wait
         assert rf["resumed"] == 0 and after["timings"]["cache_n"] == start and rf["rows"] == rf_fresh["rows"]
         assert top_logprob_gap(after, fresh) < STOCK_NOISE
     assert stock["timings"]["cache_n"] <= start
+
+
+def test_a_kv_mode_whose_server_cannot_start_is_reported_as_not_run_while_the_others_are_written(
+        smollm2_with_maps, tmp_path, monkeypatch):
+    """Separate KV gives every slot a long prompt's cache, which a device may not hold (8 slots of 64K on an H100):
+    that server's failure to start is recorded, not fatal. The failure is made here by refusing '-no-kvu'."""
+    require_builds("ridgefill")
+    from ridgefill_gguf import serving
+    from ridgefill_gguf.serve import ServerError
+
+    class NoSeparateKV(Server):
+        def start(self):
+            if "-no-kvu" in self.args:
+                raise ServerError("llama-server exited with status 1 while starting; log: made up by the test")
+            return super().start()
+
+    monkeypatch.setattr(serving, "Server", NoSeparateKV)
+    model, maps, _ = smollm2_with_maps
+    r = serving.run_serving(model, maps, [1024], [2], kv_modes=("separate", "unified"), tail=256, select="none",
+                            threads=2, out_dir=tmp_path, label="smollm2", warmup=False, log=lambda *_: None)
+    out = json.loads(next(tmp_path.glob("*-smollm2.json")).read_text())
+    assert [(n["kv"], n["reason"].split(";")[0]) for n in out["not_run"]] == [
+        ("separate", "llama-server exited with status 1 while starting")]
+    assert {(c["kv"], c["ridgefill"]) for c in out["cells"]} == {("unified", False), ("unified", True)}
+    assert "Not run: separate KV" in next(tmp_path.glob("*-smollm2.md")).read_text() and r["files"]

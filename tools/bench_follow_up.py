@@ -4,7 +4,8 @@ stock, the follow-up as the exact-only policy serves it today (a fresh RidgeFill
 same resumed from the first prefill's held split state (llama_ridgefill_prefill_resume: layers [0, S) only for the
 new rows), and the reuse of the first prefill's cache as it is (only the new rows, stock). JSON and Markdown.
 
-    tools/bench_follow_up.py MODEL --maps MAPS --out DIR [--doc FILE] [--tokens 4096] [--reps 3] [--tail 1024]
+    tools/bench_follow_up.py MODEL --maps MAPS --out DIR [--doc FILE] [--tokens 4096] [--reps 3] [--tail 1024] \
+        [-ngl 99 --flash-attn --ubatch 512]
 """
 from __future__ import annotations
 
@@ -23,23 +24,40 @@ FOLLOW_UP = (" It describes it in its opening lines.\n\nQuestion: and which othe
              "in other words than its own? Answer briefly.\nAnswer:")
 
 
+def stdlib_text(chars: int) -> str:
+    """Standard library sources in a fixed order, enough characters for a long document."""
+    import inspect
+    import typing
+    parts, n = [], 0
+    for mod in (argparse, typing, inspect, statistics, json.decoder, json.encoder):
+        parts.append(Path(mod.__file__).read_text(errors="replace"))
+        n += len(parts[-1])
+        if n >= chars:
+            break
+    return "\n\n".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--maps", required=True)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--doc", help="document text (default: the standard library's argparse.py)")
+    ap.add_argument("--doc", help="document text (default: standard library modules, as many as --tokens takes)")
     ap.add_argument("--tokens", type=int, default=4096, help="document tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tail", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    ap.add_argument("--flash-attn", action="store_true")
+    ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch and n_batch")
     a = ap.parse_args()
 
     from ridgefill_gguf.engine.session import Session
     from ridgefill_gguf.util import hardware, write_atomic
 
-    text = Path(a.doc or argparse.__file__).read_text(errors="replace")
-    sess = Session(a.model, n_ctx=a.tokens + 1024, n_threads=a.threads, maps=a.maps)
+    text = Path(a.doc).read_text(errors="replace") if a.doc else stdlib_text(a.tokens * 6)
+    sess = Session(a.model, n_ctx=a.tokens + 1024, n_threads=a.threads, maps=a.maps, n_gpu_layers=a.n_gpu_layers,
+                   flash_attn=a.flash_attn, n_batch=a.ubatch, n_ubatch=a.ubatch)
     doc = sess.tokenize(text, special=False)[:a.tokens]
     first = doc + sess.tokenize(QUESTION1, special=False)
     conv = first + sess.tokenize(FOLLOW_UP, special=False)
@@ -64,7 +82,8 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"command": " ".join(sys.argv), "model": Path(a.model).name, "maps": Path(a.maps).name,
-           "hardware": hardware(), "threads": a.threads,
+           "hardware": hardware(), "threads": a.threads, "n_gpu_layers": a.n_gpu_layers,
+           "flash_attn": a.flash_attn, "ubatch": a.ubatch,
            "document_tokens": len(doc), "first_prompt_tokens": len(first), "conversation_tokens": len(conv),
            "params": params, "reps": a.reps, "held_rows": held, "seconds": times, "median_seconds": med,
            "share_of_stock": {k: med[k] / med["stock"] for k in med}}
