@@ -339,3 +339,35 @@ def test_masks_made_in_the_graphs_with_the_window_give_the_bytes_of_llama_cpps_h
         assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
         assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
         assert device[name].tobytes() == host[name].tobytes(), name
+
+
+def test_a_one_window_cache_restores_checkpoints_of_approximated_cells_only_for_requests_that_may_reuse_them(
+        gemma3, tmp_path):
+    # over one window the server cannot roll the windowed cells back: a conversation that leaves the cached one
+    # before the ring's oldest cell restores a context checkpoint, and the one a RidgeFill prefill wrote holds
+    # late-layer cells written from the fill
+    from ridgefill_gguf.serve import Server
+    from test_server import PROMPT, STOCK_NOISE, metric, top_logprob_gap
+
+    require_builds("ridgefill")
+    model, maps = gemma3
+    later = PROMPT + "Then the story turned to rivers, mountains and the long roads between them. " * 30
+    other = PROMPT + "Then the story turned to deserts instead. " * 20  # leaves `later` before its ring's cells
+    ask = dict(n_predict=4, n_probs=5, cache_prompt=True)
+    extra = ("-b", "64", "-ub", "32", "-fa", "off", "--metrics", "--ridgefill-select", "none")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, swa_full=False, extra=extra,
+                log_path=tmp_path / "checkpoints.log") as srv:
+        fresh = srv.complete(other, n_predict=4, n_probs=5, ridgefill=False)
+        out = {}
+        for name, ridgefill in (("follow_up", None), ("stock", False)):
+            assert srv.complete(PROMPT, n_predict=4)["timings"]["ridgefill"]["filled"] > 300
+            srv.complete(later, **ask)
+            out[name] = srv.complete(other, ridgefill=ridgefill, **ask)
+            out[name + "_restored"] = metric(srv, "ridgefill_approx_checkpoints_total")
+    follow_up, stock = out["follow_up"]["timings"], out["stock"]["timings"]
+    assert follow_up["cache_n"] > 500 and follow_up["ridgefill"]["approx_checkpoints"] == 1, follow_up
+    assert out["follow_up_restored"] == out["stock_restored"] == 1
+    assert top_logprob_gap(out["follow_up"], fresh) > 10 * STOCK_NOISE
+    # the stock request restores none of them: it prefills the conversation again and gets the stock numbers
+    assert stock["cache_n"] == 0 and "ridgefill" not in stock, stock
+    assert top_logprob_gap(out["stock"], fresh) < STOCK_NOISE

@@ -3,6 +3,7 @@ maps file that does not fit, which leaves the server serving stock."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import os
 import subprocess
 import sys
@@ -641,3 +642,49 @@ def test_research_controls_are_refused_by_name_unless_the_server_runs_for_resear
     with Server(model, maps, fill="identity", tail=64, min_prefix=0, threads=2, research=True,
                 log_path=d / "research-on.log") as srv:
         assert srv.complete(PROMPT, n_predict=1, ridgefill_select="random")["timings"]["ridgefill"]["select"] == "random"
+
+
+BAD_REQUEST_FIELDS = [  # (field, a bad value) for every RidgeFill field a request may carry
+    ("ridgefill", "yes"), ("ridgefill", 3),
+    ("ridgefill_select", "magic"), ("ridgefill_select", 1),
+    ("ridgefill_rescale", "all"),
+    ("ridgefill_whole_numbers", "yes"),
+    ("ridgefill_state_correction", 1),
+    ("ridgefill_reuse", "sometimes"),
+    ("ridgefill_exact_share", 1.5), ("ridgefill_exact_share", -0.1), ("ridgefill_exact_share", "half"),
+    ("ridgefill_budget", -1), ("ridgefill_budget", 1e9), ("ridgefill_budget", [1]),
+]
+
+
+def test_every_ridgefill_request_field_rejects_a_bad_value_with_http_400_naming_the_field(model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=d / "bad-fields.log") as srv:
+        for field, value in BAD_REQUEST_FIELDS:
+            with pytest.raises(ServerError) as e:
+                srv.post("/completion", {"prompt": PROMPT, "n_predict": 1, field: value})
+            assert "HTTP 400: " in str(e.value) and f"Field '{field}'" in str(e.value), (field, value, str(e.value))
+        ok = srv.complete(PROMPT, n_predict=2, ridgefill_exact_share=0.5, ridgefill_budget=2)  # still serving
+    assert ok["timings"]["ridgefill"]["filled"] > 0, ok["timings"]
+
+
+@pytest.mark.parametrize("way", ["maps_refused", "speculative", "not_completion"])
+def test_a_request_that_asked_for_ridgefill_and_got_the_stock_prefill_says_why_in_the_log_and_metrics(
+        model_and_maps, way):
+    require_builds("ridgefill")
+    model, maps, bad_maps, d = model_and_maps
+    extra = {"maps_refused": (), "speculative": ("--spec-type", "ngram-simple"), "not_completion": ("--embeddings", "-b", "2048", "-ub", "2048")}[way]
+    log_path = d / f"fallback-{way}.log"
+    with Server(model, bad_maps if way == "maps_refused" else maps, tail=64, min_prefix=0, threads=2,
+                extra=("--metrics", *extra), log_path=log_path) as srv:
+        if way == "not_completion":
+            out = srv.post("/embedding", {"content": PROMPT})
+        else:
+            out = srv.complete(PROMPT, n_predict=2)
+        fallbacks = metric(srv, f'ridgefill_fallbacks_total{{reason="{way}"}}')
+    why = {"maps_refused": "refused at start", "speculative": "speculative decoding",
+           "not_completion": "not a completion"}[way]
+    assert fallbacks == 1, fallbacks
+    assert re.search(r" I slot .*RidgeFill not used, prefilling the stock way: .*" + why, log_path.read_text())
+    if way != "not_completion":  # an embedding's response has no timings object
+        assert why in out["timings"]["ridgefill"]["not_used"] and out["tokens_predicted"] == 2, out["timings"]
