@@ -999,6 +999,20 @@ def test_verify_names_a_non_finite_value_in_a_map_or_a_bias(tmp_path, qwen3_maps
     assert "fits" not in result.output
 
 
+def test_verify_reports_a_change_that_keeps_every_value_finite_by_the_tensor_data_checksum(
+        tmp_path, qwen3_maps, models):
+    _, out = qwen3_maps
+    assert "fits" in cli("verify", out, models["qwen3"]).output
+    tensor = fmt.weight_name(3)
+    data = bytearray(out.read_bytes())
+    data[read_gguf(out).tensors[tensor].offset + 40] ^= 0x01  # one int8 quant: still finite, no value check sees it
+    bad = tmp_path / "one-byte.gguf"
+    bad.write_bytes(bytes(data))
+    result = cli("verify", bad, models["qwen3"])
+    assert_clean_failure(result, "do not match ridgefill.tensor_data_sha256")
+    assert "the file changed after it was written" in result.output and "fits" not in result.output
+
+
 def test_verify_refuses_maps_that_leave_out_a_late_layer(tmp_path, models):
     src = float_source(tmp_path / "gap.safetensors", d_out=256, layers=[2], split=1, arch="qwen3")
     out = tmp_path / "gap.gguf"

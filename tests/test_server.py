@@ -686,5 +686,7 @@ def test_a_request_that_asked_for_ridgefill_and_got_the_stock_prefill_says_why_i
            "not_completion": "not a completion"}[way]
     assert fallbacks == 1, fallbacks
     assert re.search(r" I slot .*RidgeFill not used, prefilling the stock way: .*" + why, log_path.read_text())
-    if way != "not_completion":  # an embedding's response has no timings object
+    if way == "not_completion":  # an embedding has no timings: /embedding's items say it (/v1/embeddings' format is
+        assert out[0]["ridgefill"]["not_used"] == why and len(out[0]["embedding"][0]) > 0, out  # OpenAI's)
+    else:
         assert why in out["timings"]["ridgefill"]["not_used"] and out["tokens_predicted"] == 2, out["timings"]
