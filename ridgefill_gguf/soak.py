@@ -45,7 +45,8 @@ def plan(n: int, seed: int = 0, max_len: int = 1500) -> list[dict]:
 
 
 def send(srv: Server, req: dict) -> dict:
-    """One request; a cancelled one streams and closes the connection after its delay."""
+    """One request; a cancelled one streams and closes the connection after its delay, counted from the request's
+    sending: llama-server answers a stream's headers only with its first token, after the prefill."""
     body = {"prompt": req["prompt"], "n_predict": req["n_predict"], "temperature": 0,
             "cache_prompt": req["cache_prompt"], "ridgefill": req["ridgefill"], "ridgefill_reuse": req["reuse"]}
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=600)
@@ -53,9 +54,8 @@ def send(srv: Server, req: dict) -> dict:
         if req["cancel_after_s"] is not None:
             conn.request("POST", "/completion", json.dumps({**body, "stream": True}),
                          {"Content-Type": "application/json"})
-            resp = conn.getresponse()
             time.sleep(req["cancel_after_s"])
-            return {"i": req["i"], "status": resp.status, "cancelled": True}
+            return {"i": req["i"], "status": None, "cancelled": True}
         conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         data = resp.read()
@@ -114,7 +114,7 @@ def run_soak(model, maps, *, n: int = 1000, slots: int = 4, clients: int = 8, th
     # the same workload on upstream (which ignores the RidgeFill fields): how often batching alone moves the text
     with Server(model, None, build="upstream", threads=threads, slots=slots, n_ctx=slots * n_ctx_slot,
                 extra=common, log_path=log_dir / "soak.upstream.log") as up:
-        up_results, _, _ = concurrent_run(up, reqs, clients, lambda *_: None)
+        up_results, up_rss, _ = concurrent_run(up, reqs, clients, lambda *_: None)
     up_by_i = {r["i"]: r for r in up_results}
     by_i = {r["i"]: r for r in results}
     stock = [q for q in reqs if not q["ridgefill"] and q["cancel_after_s"] is None and by_i[q["i"]]["status"] == 200]
@@ -130,14 +130,17 @@ def run_soak(model, maps, *, n: int = 1000, slots: int = 4, clients: int = 8, th
     off_vs_upstream = [i for i in alone["upstream"] if alone["upstream"][i] != alone["ridgefill"][i]]
     mismatched = [q["i"] for q in stock if by_i[q["i"]]["content"] != alone["upstream"][q["i"]]]
     up_mismatched = [q["i"] for q in stock if up_by_i[q["i"]].get("content") != alone["upstream"][q["i"]]]
-    errors = [r for r in results if r["status"] != 200]
+    errors = [r for r in results if r["status"] != 200 and not r.get("cancelled")]
+    # a client that leaves while its RidgeFill prefill runs cancels it, and the slot says so
+    cancelled_in_flight = (log_dir / "soak.server.log").read_text(errors="replace").count("RidgeFill prefill cancelled")
     return {"requests": n, "slots": slots, "cache_ram_mib": cache_ram_mib, "clients": clients, "seconds": seconds, "server_alive": alive,
             "errors": errors, "cancelled": sum(1 for q in reqs if q["cancel_after_s"] is not None),
             "ridgefill_ran": sum(1 for r in results if r.get("ridgefill_ran")),
             "resumed": sum(1 for r in results if r.get("resumed")),
             "stock_compared": len(stock), "stock_mismatched": mismatched, "off_vs_upstream_alone": off_vs_upstream,
             "upstream_concurrent_mismatched": up_mismatched,
-            "rss_mib": rss,
+            "ridgefill_cancelled_in_flight": cancelled_in_flight,
+            "rss_mib": rss, "upstream_rss_mib": up_rss,
             "metrics": [l for l in metrics_text.splitlines() if l.startswith("llamacpp:ridgefill")]}
 
 

@@ -139,7 +139,7 @@ def test_ten_thousand_mutated_maps_files_are_refused_by_name_or_load_finite_and_
                         sum(1 for x in kinds.values() if x == k)] for k in sorted(set(kinds.values()))}
         print(f"{name}: loaded / made per mutation: {per_kind}")
         assert per_kind["truncate"][0] == 0  # a cut file never loads
-        # a changed value that stays finite cannot be told from a fitted one (the checksum's job, not done yet)
+        # a changed value that stays finite cannot be told from a fitted one (the checksum finds it, below)
     # what the engine loaded holds finite values only: the loader's Python twin agrees
     from ridgefill_gguf.maps.format import check_values
 

@@ -18,4 +18,6 @@ def test_a_short_soak_of_mixed_requests_and_cancellations_has_no_error_and_off_i
     r = run_soak(model, maps, n=120, log_dir=tmp_path, log=lambda *_: None)
     assert not r["errors"] and r["server_alive"], r["errors"][:5]
     assert r["cancelled"] > 0 and r["ridgefill_ran"] > 10 and r["stock_compared"] > 10
+    print(f"{arch}: {r['ridgefill_cancelled_in_flight']} RidgeFill prefills cancelled in flight; RSS MiB "
+          f"{r['rss_mib']}, upstream's {r['upstream_rss_mib']}")
     assert not r["off_vs_upstream_alone"]

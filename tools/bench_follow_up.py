@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     ap.add_argument("--flash-attn", action="store_true")
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch and n_batch")
+    ap.add_argument("--follow-up-repeat", type=int, default=1,
+                    help="the follow-up question this many times: a hybrid resumes its held rows only up to the "
+                         "batch boundary kept before the rows a selector scores (64), so give it more than that")
     a = ap.parse_args()
 
     from ridgefill_gguf.engine.session import Session
@@ -60,7 +63,7 @@ def main() -> None:
                    flash_attn=a.flash_attn, n_batch=a.ubatch, n_ubatch=a.ubatch)
     doc = sess.tokenize(text, special=False)[:a.tokens]
     first = doc + sess.tokenize(QUESTION1, special=False)
-    conv = first + sess.tokenize(FOLLOW_UP, special=False)
+    conv = first + sess.tokenize(FOLLOW_UP * a.follow_up_repeat, special=False)
     params = {"fill": "ridge", "tail": a.tail, "probe_budget": (256, 1.0)}  # the default selector
 
     times: dict[str, list[float]] = {k: [] for k in ("stock", "exact_only_fresh", "exact_only_resumed", "reuse")}

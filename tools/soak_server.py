@@ -42,19 +42,25 @@ def main() -> int:
     slots = "" if args.slots == 4 else f"-slots-{args.slots}"
     stem = args.out / f"{datetime.date.today().isoformat()}-soak-{args.n}{arch}{slots}{ram}"
     write_atomic(stem.with_suffix(".json"), json.dumps(r, indent=1) + "\n")
-    growth = r["rss_mib"][-1][1] - r["rss_mib"][0][1] if len(r["rss_mib"]) > 1 else 0.0
+    def growth(rss: list) -> float:
+        return rss[-1][1] - rss[0][1] if len(rss) > 1 else 0.0
+
     md = [f"# Soak: {r['requests']} requests over {r['slots']} slots ({r['clients']} clients), --cache-ram "
           f"{'default' if args.cache_ram is None else args.cache_ram}", "",
           f"`{r['command']}`", "", f"- model: {r['model']}",
           f"- {r['seconds']:.0f} s; server alive at the end: {r['server_alive']}",
-          f"- errors: {len(r['errors'])}; cancelled in flight: {r['cancelled']}; RidgeFill ran: {r['ridgefill_ran']}, of them "
+          f"- errors: {len(r['errors'])}; closed by the client before the end: {r['cancelled']}, of them RidgeFill "
+          f"prefills cancelled in flight (the server log): {r['ridgefill_cancelled_in_flight']}; "
+          f"RidgeFill ran: {r['ridgefill_ran']}, of them "
           f"exact-only follow-ups resumed from the held split state: {r['resumed']}",
           f"- finished stock requests replayed one at a time on one slot: {r['stock_compared']}; the patched server "
           f"(RidgeFill off, maps attached) differing from upstream there: {len(r['off_vs_upstream_alone'])}; "
           f"the concurrent run's text differing from upstream alone: {len(r['stock_mismatched'])}, and upstream's own "
           f"concurrent run of the same workload: {len(r['upstream_concurrent_mismatched'])} (batching moves near ties)",
           f"- server RSS (MiB) after every 100 requests: {', '.join(f'{m:.0f}' for _, m in r['rss_mib'])} "
-          f"(growth from the first sample {growth:+.0f})", "", "```", *r["metrics"], "```", ""]
+          f"(growth from the first sample {growth(r['rss_mib']):+.0f}); upstream's under the same workload: "
+          f"{', '.join(f'{m:.0f}' for _, m in r['upstream_rss_mib'])} ({growth(r['upstream_rss_mib']):+.0f})",
+          "", "```", *r["metrics"], "```", ""]
     write_atomic(stem.with_suffix(".md"), "\n".join(md))
     print("\n".join(md))
     return 0 if not r["errors"] and r["server_alive"] and not r["off_vs_upstream_alone"] else 1
