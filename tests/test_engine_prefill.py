@@ -512,6 +512,8 @@ def check_budgeted_probe(arch, deep_tiny, tmp_path, session=TIGHT, tolerance=2e-
     whole = set(rules.whole_number_rows(digits, special | lexical | chosen)) if whole_numbers else set()
     assert st["exact_rows"] == sorted(special | lexical | chosen | whole) and st["n_probe_exact"] == len(chosen)
     assert st["n_whole_numbers"] == len(whole)
+    # the engine says which rows each rule added (API 22): the instruments count a row's reason from it
+    assert st["lexical_rows"] == sorted(lexical) and st["whole_numbers_rows"] == sorted(whole)
     expected = ref.ridgefill_forward(tokens, SPLIT, SELECTOR_TAIL, "ridge", mats, lexical | chosen | whole)[-1]
     assert np.abs(logits - expected).max() / np.abs(expected).max() < tolerance
     return whole

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 21
+API_VERSION = 22
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -109,6 +109,9 @@ _SIGNATURES["llama_ridgefill_get_logits"] = (ctypes.POINTER(ctypes.c_float),
                                              [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)])
 _SIGNATURES["llama_ridgefill_get_exact_rows"] = (ctypes.POINTER(ctypes.c_int32),
                                                  [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)])
+_SIGNATURES["llama_ridgefill_get_added_rows"] = (ctypes.POINTER(ctypes.c_int32),
+                                                [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)])
+ADDED_BY = {"lexical": 0, "whole_numbers": 1}  # enum llama_ridgefill_added_by
 
 
 class Params(ctypes.Structure):
@@ -413,6 +416,14 @@ def exact_rows(ctx) -> list[int]:
     """The last prefill's exact prefix rows (special, listed, random and the probe's), ascending."""
     n = ctypes.c_int32(0)
     ptr = _prefill_lib().llama_ridgefill_get_exact_rows(ctx, ctypes.byref(n))
+    return [int(ptr[i]) for i in range(n.value)] if ptr else []
+
+
+def added_rows(ctx, rule: str) -> list[int]:
+    """Of the last prefill's exact prefix rows, those a rule added beside the selector's ranking (lexical,
+    whole_numbers), ascending."""
+    n = ctypes.c_int32(0)
+    ptr = _prefill_lib().llama_ridgefill_get_added_rows(ctx, ADDED_BY[rule], ctypes.byref(n))
     return [int(ptr[i]) for i in range(n.value)] if ptr else []
 
 

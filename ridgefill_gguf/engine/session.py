@@ -245,6 +245,8 @@ class Session:
         stats = self.bindings.stats(self.ctx)
         stats["reason"] = reason
         stats["exact_rows"] = self.bindings.exact_rows(self.ctx) if applied else []
+        for rule in self.bindings.ADDED_BY:  # which of them the lexical net and whole numbers added
+            stats[f"{rule}_rows"] = self.bindings.added_rows(self.ctx, rule) if applied else []
         return self._last_logits(), seconds, stats
 
     def close(self) -> None:

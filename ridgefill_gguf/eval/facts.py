@@ -219,7 +219,9 @@ def answered(prediction: str, answer: str) -> float:
 # --- the instrument: `ridgefill-gguf eval facts` ---------------------------------------------------------------
 
 MAX_NEW = 24
-MECHANISMS = ("tail", "special", "lexical", "number", "selected", "filled")
+# what kept a fact's row exact: "number" is a digit whose reason a run made before the engine said it (API 22) did
+# not record (the probe's ranking or a whole number completed); later runs tell them apart
+MECHANISMS = ("tail", "special", "lexical", "whole_number", "number", "selected", "filled")
 CORPUS_DOMAINS = {"shakespeare": "prose", "python": "code"}  # the default corpus's folders
 
 
@@ -249,16 +251,16 @@ TURNS = (("first", "score", "asked", "mechanisms"), ("follow_up", "score_follow_
          ("follow_up_exact_only", "score_follow_up_exact_only", "follow_up", "mechanisms_exact_only"))
 
 
-def mechanism_counts(rows: list[int], st: dict, first_tail: int, lexical: set[int], digits: set[int],
-                     special: set[int]) -> dict[str, int]:
-    """Per row of a fact, what kept it exact in the first prefill, or that it was filled: the tail, a special token,
-    the lexical net's match, a digit (the probe's ranking or a whole number completed), another selected row (the
-    probe's ranking, or the arm's random or protected rows)."""
+def mechanism_counts(rows: list[int], st: dict, first_tail: int, special: set[int]) -> dict[str, int]:
+    """Per row of a fact, what kept it exact in the prefill, or that it was filled: the tail, a special token, the
+    lexical net's match, a whole number the budgeted probe completed (the engine's own record of both), or the
+    selector's choice (the probe's ranking, or the arm's random or protected rows)."""
     exact = set(st.get("exact_rows", []))
+    lexical, whole = set(st.get("lexical_rows", [])), set(st.get("whole_numbers_rows", []))
     out = dict.fromkeys(MECHANISMS, 0)
     for r in range(*rows):
         kind = ("tail" if r >= first_tail else "filled" if r not in exact else "special" if r in special else
-                "lexical" if r in lexical else "number" if r in digits else "selected")
+                "lexical" if r in lexical else "whole_number" if r in whole else "selected")
         out[kind] += 1
     return out
 
@@ -333,18 +335,14 @@ class FactConversations:
 
     def prefill_record(self, sample: FactSample, tokens: list[int], st: dict, suffix: str) -> dict:
         """A prefill's statistics and, where RidgeFill ran, what kept each fact's rows exact."""
-        from ..select import rules
         from ..select.pieces import prompt_pieces
 
         out = {"stats" + suffix: {k: st[k] for k in STATS_KEPT if k in st}}
         if st.get("applied"):
-            pieces, breaks = prompt_pieces(self.sess.llama_cpp, self.sess.llm.model, tokens[:-1])
+            _, breaks = prompt_pieces(self.sess.llama_cpp, self.sess.llm.model, tokens[:-1])
             prefix = len(tokens) - 1 - st["n_tail"]
-            lexical = set(rules.lexical_rows(pieces, breaks, prefix))
-            digits = set(rules.digit_rows(pieces, breaks, prefix))
             special = {0} | {i for i, b in enumerate(breaks) if b}
-            out["mechanisms" + suffix] = [mechanism_counts(f["rows"], st, prefix, lexical, digits, special)
-                                          for f in sample.facts]
+            out["mechanisms" + suffix] = [mechanism_counts(f["rows"], st, prefix, special) for f in sample.facts]
         return out
 
 
@@ -482,7 +480,7 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                     mech = dict.fromkeys(MECHANISMS, 0)
                     for s, r in zip(got, rows):
                         for k, v in (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)].items():
-                            mech[k] += v
+                            mech[k] = mech.get(k, 0) + v
                     arms[arm] = {"accuracy": mean_or_none([r[score] for r in rows]), "samples": len(rows),
                                  "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech}
                 table[turn] = {"samples": len(usable), "arms": arms}
@@ -506,9 +504,9 @@ def markdown(result: dict) -> str:
              "before the tail; Δ = arm minus exact, paired [95% bootstrap interval]. The follow-up asks another fact "
              "over the cache the first answer left; follow_up_exact_only asks it as llama-server's --ridgefill-reuse "
              "exact-only serves it, a fresh RidgeFill prefill of the conversation. Fact rows: what kept the asked "
-             "fact's rows exact in the prefill the answer read (tail / special / lexical net / digit: probe or whole "
-             "number / other selected / filled).", "",
-             "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/d/sel/filled |",
+             "fact's rows exact in the prefill the answer read (tail / special / lexical net / whole number completed / "
+             "digit, probe or whole number, in runs before API 22 / the selector's ranking / filled).", "",
+             "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/w/d/sel/filled |",
              "|---|---|---|---|---|---|---|---|"]
     for name, c in result["configs"].items():
         for turn, t in c["turns"].items():
