@@ -24,19 +24,6 @@ FOLLOW_UP = (" It describes it in its opening lines.\n\nQuestion: and which othe
              "in other words than its own? Answer briefly.\nAnswer:")
 
 
-def stdlib_text(chars: int) -> str:
-    """Standard library sources in a fixed order, enough characters for a long document."""
-    import inspect
-    import typing
-    parts, n = [], 0
-    for mod in (argparse, typing, inspect, statistics, json.decoder, json.encoder):
-        parts.append(Path(mod.__file__).read_text(errors="replace"))
-        n += len(parts[-1])
-        if n >= chars:
-            break
-    return "\n\n".join(parts)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -55,10 +42,11 @@ def main() -> None:
                          "batch boundary kept before the rows a selector scores (64), so give it more than that")
     a = ap.parse_args()
 
+    from ridgefill_gguf.bench import default_text
     from ridgefill_gguf.engine.session import Session
     from ridgefill_gguf.util import hardware, write_atomic
 
-    text = Path(a.doc).read_text(errors="replace") if a.doc else stdlib_text(a.tokens * 6)
+    text = Path(a.doc).read_text(errors="replace") if a.doc else default_text(a.tokens * 6)
     sess = Session(a.model, n_ctx=a.tokens + 1024, n_threads=a.threads, maps=a.maps, n_gpu_layers=a.n_gpu_layers,
                    flash_attn=a.flash_attn, n_batch=a.ubatch, n_ubatch=a.ubatch)
     doc = sess.tokenize(text, special=False)[:a.tokens]

@@ -480,7 +480,7 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                     mech = dict.fromkeys(MECHANISMS, 0)
                     for s, r in zip(got, rows):
                         for k, v in (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)].items():
-                            mech[k] = mech.get(k, 0) + v
+                            mech[k] += v
                     arms[arm] = {"accuracy": mean_or_none([r[score] for r in rows]), "samples": len(rows),
                                  "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech}
                 table[turn] = {"samples": len(usable), "arms": arms}

@@ -326,28 +326,33 @@ KEY_TYPES = {
 }
 
 
+def _of_own_type(g: GGUFFile, key: str) -> bool:
+    """Whether a key of KEY_TYPES that the file holds has its own type (and an array its own item type)."""
+    want, items = KEY_TYPES[key]
+    vt, _, sub = g.fields[key]
+    return vt == want and (items is None or sub == items)
+
+
 def key_type_errors(g: GGUFFile) -> dict[str, str]:
     """The keys present with another type than their own, each with the engine's sentence."""
     wrong = {}
     for key, (want, items) in KEY_TYPES.items():
-        if key not in g.fields:
+        if key not in g.fields or _of_own_type(g, key):
             continue
         vt, _, sub = g.fields[key]
         if vt != want:
             expected = f"an ARRAY of {items.name}" if items else want.name
             wrong[key] = f"{key} has type {vt.name}, expected {expected}"
-        elif items is not None and sub != items:
+        else:
             wrong[key] = f"{key} has type {sub.name if sub is not None else '?'} items, expected {items.name}"
     return wrong
 
 
 def typed(g: GGUFFile, key: str, default=None):
     """A key's value where it has its own type, else default (key_type_errors names it)."""
-    want, items = KEY_TYPES.get(key, (None, None))
-    if key not in g.fields or want is None:
-        return g.get(key, default)
-    vt, _, sub = g.fields[key]
-    return g.get(key, default) if vt == want and (items is None or sub == items) else default
+    if key in KEY_TYPES and key in g.fields and not _of_own_type(g, key):
+        return default
+    return g.get(key, default)
 
 
 def maps_meta(g: GGUFFile) -> MapsMeta:
