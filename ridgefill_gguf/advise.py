@@ -30,6 +30,8 @@ class Candidate:
     split: int
     tail: int
     arm: str
+    budget: float | None = None   # the probe's budget factor (None: plain RidgeFill)
+    reuse: str = "any"            # how a follow-up is served: over the reused cache, or prefilled again (exact-only)
     quality: dict | None = None   # needles: n, mean, bound, floor (fractions), run
     facts: dict = field(default_factory=dict)  # eval facts per question: the same fields
     speed: dict | None = None     # measured here and carried to the served length
@@ -134,18 +136,38 @@ def default_like(e: dict, free: tuple[str, ...] = ()) -> bool:
     return probe_ok and e.get("tasks", list(NEEDLE_TASKS)) == list(NEEDLE_TASKS)
 
 
-def quality_of(entries: list[dict], split: int, tail: int, arm: str, turn: str | None = None) -> dict | None:
-    """The committed quality of one configuration with the default selector's settings (needles: over all four
-    tasks; facts: of one question): the run with the most samples."""
+def budget_of(e: dict) -> float | None:
+    return None if ARMS.get(e["arm"]) is None or e["probe"] is None else e["probe"].get("budget")
+
+
+def quality_of(entries: list[dict], split: int, tail: int, arm: str, turn: str | None = None,
+               budget: float = 1.0) -> dict | None:
+    """The committed quality of one configuration with the default selector's settings but for the budget factor
+    (needles: over all four tasks; facts: of one question): the run with the most samples."""
     ok = [e for e in entries if (e["split"], e["tail"], e["arm"], e.get("turn")) == (split, tail, arm, turn)
-          and default_like(e)]
+          and default_like(e, free=("budget",)) and budget_of(e) in (None, budget)]
     return max(ok, key=lambda e: e["n"], default=None)
 
 
-def facts_of(entries: list[dict], split: int, tail: int, arm: str) -> dict:
+def needles_at(entries: list[dict], split: int, tail: int, arm: str, budget: float | None) -> dict | None:
+    """The needles test of a configuration; for a larger budget without a run of its own, the default budget's
+    run, marked: the probe ranks the rows the same way and keeps more of them, a superset of those exact rows."""
+    q = quality_of(entries, split, tail, arm, budget=budget or 1.0)
+    if q is None and budget and budget > 1.0 and (base := quality_of(entries, split, tail, arm)):
+        q = {**base, "from_budget": 1.0}
+    return q
+
+
+def facts_of(entries: list[dict], split: int, tail: int, arm: str, budget: float | None = None) -> dict:
     """{question: the committed eval facts test} of one configuration (the follow-up as llama-server serves it by
     default, over the reused cache, and under exact-only reuse)."""
-    return {t[0]: q for t in FACT_TURNS if (q := quality_of(entries, split, tail, arm, t[0]))}
+    return {t[0]: q for t in FACT_TURNS if (q := quality_of(entries, split, tail, arm, t[0], budget or 1.0))}
+
+
+def committed_budgets(entries: list[dict], split: int, tail: int) -> list[float]:
+    """The probe's budget factors the committed studies measured at this split and tail, the default among them."""
+    return sorted({1.0} | {b for e in entries if (e["split"], e["tail"]) == (split, tail) and e["arm"] == "ridge+probe"
+                           and default_like(e, free=("budget",)) and (b := budget_of(e)) is not None})
 
 
 def within(q: dict, margin: float) -> bool | None:
@@ -176,15 +198,17 @@ def carried_speed(shape: ModelShape, split: int, tail: int, tokens: int, measure
             "speedup": round(measured["speedup"] * there / here, 3)}
 
 
-def measured_speeds(bench: dict) -> dict[str, dict]:
-    """{arm: what the bench measured} for plain RidgeFill and the default selector (when the bench timed it)."""
+def measured_speeds(bench: dict) -> dict[tuple[str, float | None], dict]:
+    """{(arm, budget factor): what the bench measured} for plain RidgeFill and the probe at each budget it timed
+    ("probe" at the server's default budget, "probe@1.5" at 1.5)."""
     row = bench["rows"][0]
-    out = {"ridge": {"tokens": row["tokens"], "speedup": row["speedup"],
-                     "share_of_ceiling": row["share_of_ceiling"], "exact_share": 0.0,
-                     "ms": row["median_ridgefill_ms"], "stock_ms": row["median_exact_ms"]}}
+    out = {("ridge", None): {"tokens": row["tokens"], "speedup": row["speedup"],
+                             "share_of_ceiling": row["share_of_ceiling"], "exact_share": 0.0,
+                             "ms": row["median_ridgefill_ms"], "stock_ms": row["median_exact_ms"]}}
     for s in bench.get("selectors") or []:
-        if s["selector"] == "probe":
-            out["ridge+probe"] = {"tokens": row["tokens"], "speedup": s["speedup_vs_exact"],
+        name, _, budget = s["selector"].partition("@")
+        if name == "probe":
+            out[("ridge+probe", float(budget) if budget else 1.0)] = {"tokens": row["tokens"], "speedup": s["speedup_vs_exact"],
                                   "share_of_ceiling": s["share_of_ceiling"],
                                   "exact_share": s["selected"] / s["prefix"],
                                   "probe_rows": s["probe_rows"], "ms": s["median_ms"],
@@ -194,15 +218,26 @@ def measured_speeds(bench: dict) -> dict[str, dict]:
 
 # --- the advice ------------------------------------------------------------------------------------------------
 
+# the follow-up question each reuse policy serves: over the reused cache, or a RidgeFill prefill resumed from the
+# held split state that ranks the rows for the new question (--ridgefill-reuse exact-only)
+FOLLOW_UP_OF = {"any": "follow_up", "exact-only": "follow_up_exact_only"}
+
+
+def holds(c: Candidate, margin: float) -> bool:
+    """Whether a candidate's committed quality holds the margin: the needles' bound, and each natural question it
+    serves (the first and its follow-up) where a run has the samples to test it."""
+    served = ("first", FOLLOW_UP_OF[c.reuse])
+    return bool(c.quality and within(c.quality, margin)) and all(
+        within(q, margin) is not False for t, q in c.facts.items() if t in served)
+
+
 def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None, str]:
-    """The fastest configuration (at the served length) whose committed retrieval bound holds the margin and that
-    is faster than the stock prefill there; else None and why."""
-    # natural questions count where a run has the samples to test the margin: first question and the default follow-up
-    ok = [c for c in candidates if c.quality and within(c.quality, margin)
-          and all(within(q, margin) is not False for t, q in c.facts.items() if t != "follow_up_exact_only")]
+    """The fastest configuration (at the served length) whose committed quality holds the margin and that is faster
+    than the stock prefill there (of equals, the one whose follow-ups reuse the cache); else None and why."""
+    ok = [c for c in candidates if holds(c, margin)]
     faster = [c for c in ok if c.speed["at_tokens"]["speedup"] > 1.0]
     if faster:
-        return max(faster, key=lambda c: c.speed["at_tokens"]["speedup"]), ""
+        return max(faster, key=lambda c: (c.speed["at_tokens"]["speedup"], c.reuse == "any")), ""
     if ok:
         return None, ("the configurations within the margin are not faster than the stock prefill at this length "
                       "on this machine: serve the stock prefill")
@@ -211,11 +246,30 @@ def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None
                   "--quality")
 
 
+def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries: list[dict],
+                  fact_entries: list[dict]) -> list[Candidate]:
+    """One measured configuration as served: its follow-ups over the reused cache, and (for the probe, where a run
+    measured it) prefilled again for the new question."""
+    facts = facts_of(fact_entries, split, tail, arm, budget)
+    policies = ("any", "exact-only") if ARMS[arm] and FOLLOW_UP_OF["exact-only"] in facts else ("any",)
+    out = [Candidate(split, tail, arm, budget, reuse, needles_at(entries, split, tail, arm, budget), facts)
+           for reuse in policies]
+    for c in out:
+        if c.quality is None:
+            c.notes.append("no committed retrieval for this configuration")
+        elif c.quality.get("from_budget"):
+            c.notes.append("needles from the default budget's run: a larger budget keeps a superset of its exact rows")
+        if c.reuse == "exact-only":
+            c.notes.append("each follow-up is prefilled again with RidgeFill, resumed from the held split state")
+    return out
+
+
 def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, ...], measure_tokens: int,
            curves: dict, out_dir: Path, threads: int | None = None, n_gpu_layers: int | None = None,
            measure: Callable | None = None, log: Callable[[str], None] = print) -> dict:
-    """Measure each maps file's split at each tail here, join the committed quality, choose, and write
-    advice.json and advice.md under out_dir. measure(maps, tail) -> a bench result (tests pass their own)."""
+    """Measure each maps file's split at each tail here (plain RidgeFill, and the probe at every budget factor the
+    committed studies measured), join the committed quality, choose, and write advice.json and advice.md under
+    out_dir. measure(maps, tail) -> a bench result (tests pass their own)."""
     from .bench import run_bench
     from .gguf_io import read_gguf
     from .util import hardware, write_atomic
@@ -230,22 +284,21 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
     if matched is None:
         log(f"advise: no committed quality for {sig['file']} ({sig['name']}, {sig['arch']}, {sig['n_layer']} "
             "layers): the speeds below are measured, the quality is not; measure it with eval needles and eval facts")
+    budgets = sorted({b for e in entries + fact_entries for b in committed_budgets([e], e["split"], e["tail"])})
+    selectors = ("probe",) + tuple(f"probe@{b:g}" for b in budgets if b != 1.0)
     measure = measure or (lambda m, t: run_bench(
-        model, m, [measure_tokens], tail=t, repeats=1, selectors=("probe",), threads=threads,
+        model, m, [measure_tokens], tail=t, repeats=1, selectors=selectors, threads=threads,
         n_gpu_layers=n_gpu_layers, out_dir=out_dir / "bench", label=f"{Path(m).stem}-T{t}", log=log))
     candidates = []
     for m in maps:
         split = int(read_gguf(m).get("ridgefill.split"))
         for tail in tails:
             log(f"advise: measuring split {split}, tail {tail} at {measure_tokens} tokens")
-            speeds = measured_speeds(measure(m, tail))
-            for arm, sp in speeds.items():
-                c = Candidate(split, tail, arm, quality_of(entries, split, tail, arm),
-                              facts_of(fact_entries, split, tail, arm))
-                c.speed = {"measured": sp, "at_tokens": carried_speed(shape, split, tail, tokens, sp)}
-                if c.quality is None:
-                    c.notes.append("no committed retrieval for this configuration")
-                candidates.append(c)
+            for (arm, budget), sp in measured_speeds(measure(m, tail)).items():
+                speed = {"measured": sp, "at_tokens": carried_speed(shape, split, tail, tokens, sp)}
+                for c in candidates_of(split, tail, arm, budget, entries, fact_entries):
+                    c.speed = speed
+                    candidates.append(c)
     best, why_none = choose(candidates, margin)
     result = {"instrument": "advise", "date": dt.date.today().isoformat(), "hardware": hardware(),
               "model": sig, "quality_from": matched, "tokens": tokens, "margin": margin,
@@ -267,7 +320,9 @@ def verdict(q: dict | None, margin: float) -> str:
 
 def flags(c: dict) -> str:
     """The llama-server flags that serve a candidate (the maps file carries the split)."""
-    return f"--ridgefill-tail {c['tail']} --ridgefill-select {ARMS[c['arm']] or 'none'}"
+    budget = f" --ridgefill-budget {c['budget']:g}" if c.get("budget") not in (None, 1.0) else ""
+    reuse = " --ridgefill-reuse exact-only" if c.get("reuse") == "exact-only" else ""
+    return f"--ridgefill-tail {c['tail']} --ridgefill-select {ARMS[c['arm']] or 'none'}{budget}{reuse}"
 
 
 def markdown(r: dict) -> str:
@@ -281,16 +336,23 @@ def markdown(r: dict) -> str:
              "", f"Quality from: {r['quality_from'] or 'no committed study of this model'} (RULER-style needles, "
              "whose questions repeat the needle's words, so the lexical net helps; questions in other words: "
              "docs/eval.md, eval facts).", "",
-             "| split | tail | arm | measured speedup | MAC ceiling share | estimated speedup at length | retrieval Δ "
-             "(bound), samples | within margin | facts in other words: first / follow-up / follow-up, exact-only |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Follow-ups `any` reuse the cache the first request left; `exact-only` prefills the conversation "
+             "again for the new question, resumed from the held split state (`--ridgefill-reuse exact-only`). "
+             "Facts in other words: the first question and the follow-up that policy serves.", "",
+             "| split | tail | arm | budget | follow-ups | measured speedup | MAC ceiling share | estimated speedup at "
+             "length | needles: retrieval Δ (bound), samples | within margin | facts in other words: first / "
+             "follow-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["candidates"]:
         q, sp = c["quality"], c["speed"]
-        lines.append(f"| {c['split']} | {c['tail']} | {c['arm']} | {sp['measured']['speedup']:.2f}x | "
+        served = ("first", FOLLOW_UP_OF[c.get("reuse", "any")])
+        lines.append(f"| {c['split']} | {c['tail']} | {c['arm']} | {'' if c.get('budget') is None else c['budget']} "
+                     f"| {c.get('reuse', 'any')} | {sp['measured']['speedup']:.2f}x | "
                      f"{100 * sp['measured']['share_of_ceiling']:.0f}% | {sp['at_tokens']['speedup']:.2f}x | "
-                     f"{bound_cell(q)} | {verdict(q, r['margin'])} | " +
-                     " / ".join(bound_cell(c["facts"].get(t[0])) + f" {verdict(c['facts'].get(t[0]), r['margin'])}"
-                                for t in FACT_TURNS) + " |")
+                     f"{bound_cell(q)}{' (budget 1)' if q and q.get('from_budget') else ''} | "
+                     f"{verdict(q, r['margin'])} | " +
+                     " / ".join(bound_cell(c["facts"].get(t)) + f" {verdict(c['facts'].get(t), r['margin'])}"
+                                for t in served) + " |")
     ch = r["choice"]
     lines += ["", "**Advice:** " + (
         f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "

@@ -761,22 +761,28 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
 @click.option("--exact-only-follow-up/--no-exact-only-follow-up", default=False, show_default=True,
               help="also ask the follow-up as llama-server's --ridgefill-reuse exact-only serves it: a fresh "
                    "RidgeFill prefill of the conversation instead of the cache the first answer left")
+@click.option("--rerank-follow-up", is_flag=True,
+              help="also ask the follow-up prefilled again with the first prefill's exact rows kept exact and the "
+                   "selector ranking the rest for the new question (a follow-up that re-ranks the reused cache, "
+                   "emulated)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--shard", default="0/1", show_default=True,
               help="I/N: only the samples whose index is I modulo N, for runs side by side in one folder; a whole "
                    "run (0/1) afterwards answers what they left and writes the summary")
+@click.option("--summary-only", is_flag=True,
+              help="summarize the answers already in --out again (this version's summary) without loading the model")
 @click.option("-t", "--threads", type=int, default=None)
 @click.option("-ngl", "--n-gpu-layers", type=int, default=0)
 def eval_facts(model, maps, out_dir, docs, lengths, samples, tails, arms, exact_share, budget, whole_numbers,
-               probe_share, probe_rows, query_rows, fmt, exact_only_follow_up, seed, shard, threads,
-               n_gpu_layers) -> None:
+               probe_share, probe_rows, query_rows, fmt, exact_only_follow_up, rerank_follow_up, seed, shard,
+               summary_only, threads, n_gpu_layers) -> None:
     """Facts in real text asked in other words, then a follow-up about another fact over the reused cache."""
     from .eval.facts import FactOptions, run_facts
 
     opts = FactOptions(docs=tuple(docs), lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                        arms=_arms(arms, selectors=True, follows=True), fmt=fmt, seed=seed, threads=threads,
                        n_gpu_layers=n_gpu_layers, exact_only_follow_up=exact_only_follow_up, shard=_shard(shard),
-                       selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
+                       rerank_follow_up=rerank_follow_up, summary_only=summary_only, selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
                                             seed))
     _run_instrument(run_facts, model, list(maps), out_dir, opts, out_dir=out_dir)
 

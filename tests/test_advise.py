@@ -119,3 +119,42 @@ def test_a_quality_study_whose_runs_are_not_there_is_refused_by_name(tmp_path):
     (tmp_path / "report" / "study.json").write_text(json.dumps(study))
     with pytest.raises(ValueError, match="names the run .*needles-m, whose summary.json is not there"):
         A.curves_of_file(tmp_path / "report" / "study.json")
+
+
+def test_advise_names_the_budget_and_the_reuse_policy_whose_natural_follow_up_holds_the_margin(tmp_path):
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    budget2 = {**A.DEFAULT_PROBE, "budget": 2.0}
+
+    def fact(turn: str, bound: float, probe: dict = A.DEFAULT_PROBE) -> dict:
+        return entry(1, 64, "ridge+probe", bound, n=400, turn=turn, probe=probe)
+
+    facts = [fact("first", -0.01), fact("follow_up", -0.13), fact("follow_up_exact_only", -0.06),
+             fact("first", -0.005, budget2), fact("follow_up", -0.04, budget2),
+             fact("follow_up_exact_only", -0.015, budget2)]
+    curves = {model.name: {"signature": None, "facts": facts,
+                           "needles": [entry(1, 64, "ridge", -0.40), entry(1, 64, "ridge+probe", -0.015)]}}
+    timed = []
+
+    def measure(m, t):
+        bench = bench_like(1.9, 1.4)
+        bench["selectors"].append({**bench["selectors"][0], "selector": "probe@2", "speedup_vs_exact": 1.1,
+                                   "selected": 300, "median_ms": 100 / 1.1})
+        timed.append(t)
+        return bench
+
+    def run(margin: float) -> dict:
+        return A.advise(model, [maps], tokens=8192, margin=margin, tails=(64,), measure_tokens=1024, curves=curves,
+                        out_dir=tmp_path / f"out-{margin}", measure=measure, log=print)
+
+    tight, middle, loose = run(0.02), run(0.07), run(0.15)
+    ch = tight["choice"]
+    assert (ch["arm"], ch["budget"], ch["reuse"]) == ("ridge+probe", 2.0, "exact-only")
+    assert ch["quality"]["from_budget"] == 1.0  # budget 2 has no needles run: the default's, a subset of its rows
+    assert "--ridgefill-budget 2 --ridgefill-reuse exact-only" in (tmp_path / "out-0.02" / "advice.md").read_text()
+    # a looser margin lets the faster default budget serve, its follow-ups prefilled again or over the cache
+    assert (middle["choice"]["budget"], middle["choice"]["reuse"]) == (1.0, "exact-only")
+    assert (loose["choice"]["budget"], loose["choice"]["reuse"]) == (1.0, "any")
+    policies = {(c["arm"], c["budget"], c["reuse"]) for c in tight["candidates"]}
+    assert policies == {("ridge", None, "any"), ("ridge+probe", 1.0, "any"), ("ridge+probe", 1.0, "exact-only"),
+                        ("ridge+probe", 2.0, "any"), ("ridge+probe", 2.0, "exact-only")}
+    assert timed == [64, 64, 64]

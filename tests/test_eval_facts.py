@@ -118,6 +118,14 @@ def test_facts_shards_answer_their_own_samples_and_a_whole_run_after_them_only_s
     r = F.run_facts(model, [maps], out, opts, log=lambda _: None)
     assert (out / "results.jsonl").read_text().splitlines() == answers  # nothing asked again
     assert r["n_samples"] == 3 and (out / "summary.md").exists()
+    # a later version summarizes the folder again without the model, keeping the machine the answers came from
+    made_there = {**json.loads((out / "summary.json").read_text()), "hardware": {"gpu": "where they were made"}}
+    (out / "summary.json").write_text(json.dumps(made_there))
+    again = F.run_facts(tmp_path / "no-model.gguf", [maps], out, replace(opts, summary_only=True),
+                        log=lambda _: None)
+    assert again["configs"] == r["configs"] and again["hardware"] == {"gpu": "where they were made"}
+    assert "answered nothing" in again["summary_pass"]["note"]
+    assert (out / "results.jsonl").read_text().splitlines() == answers
     # eval report tests each question's arms against exact, beside the needles; a tagged run (another setting,
     # its own exact arm) is tested within itself
     shutil.copytree(out, tmp_path / "out-budget2")
@@ -142,3 +150,61 @@ def test_a_document_whose_token_rate_jumps_still_makes_a_prompt_of_about_the_ask
     for length in (3072, 8192):
         sample, tokens, _ = builder.build("table.txt", "legal", prose + table, length, 0, 0)
         assert 0.97 * length <= len(tokens) <= 1.02 * length, (length, len(tokens))
+
+
+def test_a_summary_splits_the_answers_that_differ_from_exact_by_whether_the_asked_fact_was_filled():
+    facts = [{"rows": [10, 20], "answer": "1"}, {"rows": [30, 40], "answer": "2"}]
+    samples = [F.FactSample(f"code-4096-{i}", "doc", "code", 100, facts, 0, 1, "x") for i in range(5)]
+    counts = {"filled": dict.fromkeys(F.MECHANISMS, 0) | {"selected": 7, "filled": 3},
+              "exact": dict.fromkeys(F.MECHANISMS, 0) | {"selected": 10}}
+    # (exact's score, the arm's score, the asked fact's rows) per sample: lost filled, lost exact twice, won exact,
+    # and one agreeing sample that counts in neither
+    cases = [(1, 0, "filled"), (1, 0, "exact"), (1, 0, "exact"), (0, 1, "exact"), (1, 1, "filled")]
+    answers = []
+    for s, (e, a, rows) in zip(samples, cases):
+        answers.append({"sample": s.sample_id, "config": "exact", "arm": "exact", "score": e, "score_follow_up": 0})
+        answers.append({"sample": s.sample_id, "config": "S12-T50", "arm": "ridge+probe", "score": a,
+                        "score_follow_up": 0, "mechanisms": [counts[rows], counts["exact"]]})
+    r = F.summarize(samples, answers, {"maps": 12}, F.FactOptions(tails=(50,), arms=("ridge+probe",)))
+    first = r["configs"]["S12-T50"]["turns"]["first"]["arms"]["ridge+probe"]
+    assert first["discordant"] == {"lost_filled": 1, "lost_exact": 2, "won_filled": 0, "won_exact": 1}
+    assert first["fact_rows"]["filled"] == 6 and first["samples"] == 5
+    assert r["configs"]["S12-T50"]["turns"]["follow_up"]["arms"]["ridge+probe"]["discordant"] == dict.fromkeys(
+        F.DISCORDANT, 0)
+    assert "| 1+2 / 0+1 |" in F.markdown({**r, "options": {"lengths": [100], "seed": 0, "arms": ["ridge+probe"]},
+                                          "model": "m.gguf", "format": "chat"})
+
+
+def test_the_reranked_follow_up_keeps_the_first_prefills_exact_rows_and_ranks_the_rest_for_the_new_question(
+        tmp_path):
+    model, maps = model_maps_and_code_docs(tmp_path)
+    opts = F.FactOptions(docs=(str(tmp_path / "docs"),), lengths=(900,), samples=1, tails=(128,),
+                         arms=("ridge+probe", "ridge+random:probe"), fmt="completion", threads=2, flash_attn=False)
+    F.run_facts(model, [maps], tmp_path / "out", opts, log=lambda _: None)
+    r = F.run_facts(model, [maps], tmp_path / "out", replace(opts, rerank_follow_up=True), log=lambda _: None)
+    by = {a["arm"]: a for a in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    sample = F.FactSample(**json.loads((tmp_path / "out" / "samples.jsonl").read_text()))
+    exact, probe = by["exact"], by["ridge+probe"]
+    assert exact["pred_follow_up_rerank"] == exact["pred_follow_up"]  # a stock cache is exact
+    assert "exact_ranges" not in probe  # added to a run made without the option: its first prefill ran again
+    first, again = probe["stats"], probe["stats_rerank"]
+    assert probe["kept_exact"] == first["n_exact"] > 0 and again["n_probe_exact"] > 0
+    assert again["n_exact"] >= probe["kept_exact"] + again["n_probe_exact"]
+    prefix = sample.n_tokens - first["n_tail"]
+    for fact, before, after in zip(sample.facts, probe["mechanisms"], probe["mechanisms_rerank"]):
+        if fact["rows"][1] <= prefix:  # the first prefill's prefix rows that were exact stay exact
+            assert after["filled"] <= before["filled"], (fact, before, after)
+    assert set(r["configs"]["S1-T128"]["turns"]) == {"first", "follow_up", "follow_up_rerank"}
+    # asked in one run, the first prefill's rows come from its record, with the same answers
+    one = F.run_facts(model, [maps], tmp_path / "one", replace(opts, rerank_follow_up=True), log=lambda _: None)
+    # (each arm's prefills list no rows another arm's re-ranked follow-up listed)
+    assert one["configs"] == r["configs"]
+    rows = {a["arm"]: a for a in map(json.loads, (tmp_path / "one" / "results.jsonl").read_text().splitlines())}
+    assert F.rows_of(rows["ridge+probe"]["exact_ranges"]) and rows["ridge+probe"]["kept_exact"] == probe["kept_exact"]
+    assert rows["ridge+random:probe"]["pred_follow_up_rerank"] == by["ridge+random:probe"]["pred_follow_up_rerank"]
+
+
+def test_exact_rows_travel_as_runs_and_come_back_whole():
+    rows = [0, 1, 2, 5, 7, 8, 20]
+    assert F.ranges_of(rows) == [[0, 3], [5, 6], [7, 9], [20, 21]] and F.rows_of(F.ranges_of(rows)) == rows
+    assert F.ranges_of([]) == [] and F.rows_of([]) == []

@@ -96,6 +96,7 @@ def arm_params(arm: Arm, n_prompt: int, tail: int, sel: SelectorOptions, counts:
     """Every prefill parameter the arm sets, selectors off unless it uses one (the engine keeps parameters)."""
     # "probe" resets the budget too; a budgeted probe sets "probe_budget" after it
     params = {"fill": arm.fill, "probe": (0, 0), "attention": (sel.query_rows, 0.0, None), "exact_random": (0, 0),
+              "exact_rows": [],
               "protected": 0.0, "random_budget": (0.0, 0), "whole_numbers": sel.whole_numbers,
               "blind": bool(arm.selector and arm.selector.startswith("blind-")),
               "rescale": (sel.rescale_rows, arm.rescale in ("values", "both"), arm.rescale in ("keys", "both"))}

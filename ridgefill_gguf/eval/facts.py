@@ -241,14 +241,22 @@ class FactOptions:
     # the follow-up also as llama-server's --ridgefill-reuse exact-only serves it: a fresh RidgeFill prefill of the
     # whole conversation, so the probe ranks the rows for the new question
     exact_only_follow_up: bool = False
+    # the follow-up also prefilled again with the first prefill's exact rows kept exact and the probe ranking the
+    # rest for the new question: what a follow-up that re-ranks the reused cache's filled rows would read (the
+    # engine serves no such follow-up yet; the research API's listed rows emulate it)
+    rerank_follow_up: bool = False
     # (i, n): only the samples whose index is i modulo n, for runs side by side in one folder; they write no
     # summary, and a whole run (0, 1) afterwards answers what they left and writes it
     shard: tuple[int, int] = (0, 1)
+    summary_only: bool = False      # summarize the folder's answers again; load no model, answer nothing
 
 
 # the questions a summary reports: (turn, the answer's score field, the fact asked, the mechanisms' field)
 TURNS = (("first", "score", "asked", "mechanisms"), ("follow_up", "score_follow_up", "follow_up", "mechanisms"),
-         ("follow_up_exact_only", "score_follow_up_exact_only", "follow_up", "mechanisms_exact_only"))
+         ("follow_up_exact_only", "score_follow_up_exact_only", "follow_up", "mechanisms_exact_only"),
+         ("follow_up_rerank", "score_follow_up_rerank", "follow_up", "mechanisms_rerank"))
+# the turns asked only on request: the option that asks each
+OPTIONAL_TURNS = {"follow_up_exact_only": "exact_only_follow_up", "follow_up_rerank": "rerank_follow_up"}
 
 
 def mechanism_counts(rows: list[int], st: dict, first_tail: int, special: set[int]) -> dict[str, int]:
@@ -284,6 +292,21 @@ def _documents(opts: FactOptions) -> list[tuple[str, str, str]]:
 
 STATS_KEPT = ("applied", "n_filled", "n_exact", "n_tail", "n_probe_exact", "n_lexical", "n_whole_numbers", "n_budget",
               "reason", "held")
+
+
+def ranges_of(rows: list[int]) -> list[list[int]]:
+    """Ascending rows as [first, end) runs, the compact form a record keeps."""
+    out: list[list[int]] = []
+    for r in rows:
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return out
+
+
+def rows_of(ranges: list[list[int]]) -> list[int]:
+    return [r for a, b in ranges for r in range(a, b)]
 
 
 class FactConversations:
@@ -333,11 +356,31 @@ class FactConversations:
                 "score_follow_up_exact_only": answered(pred, sample.facts[sample.follow_up]["answer"]),
                 **self.prefill_record(sample, tokens2, st, "_exact_only")}
 
+    def rerank_turn(self, sample: FactSample, tokens: list[int], document: str, r: dict, params_for) -> dict:
+        """The follow-up after the first answer r["pred"], prefilled again (resumed from the held split state) with
+        the first prefill's exact prefix rows listed exact and the arm's selector ranking the rest for the new
+        question (params_for(n) -> params, or None for stock). The first prefill's rows come from r, or from that
+        prefill run again where a run before this option left them out."""
+        tokens2 = self.follow_up_tokens(sample, document, r["pred"])
+        params = params_for(len(tokens2))
+        if params is None:
+            return {"pred_follow_up_rerank": r["pred_follow_up"], "score_follow_up_rerank": r["score_follow_up"]}
+        kept = rows_of(r["exact_ranges"]) if "exact_ranges" in r else \
+            self.sess.ridgefill(tokens, **params_for(len(tokens)))[2]["exact_rows"]
+        logits, _, st = self.sess.ridgefill_resumed(tokens2, **{**params, "exact_rows": kept})
+        pred = self.sess.detokenize(self.sess.greedy(logits, len(tokens2), MAX_NEW))
+        return {"pred_follow_up_rerank": pred, "kept_exact": len(kept),
+                "score_follow_up_rerank": answered(pred, sample.facts[sample.follow_up]["answer"]),
+                **self.prefill_record(sample, tokens2, st, "_rerank")}
+
     def prefill_record(self, sample: FactSample, tokens: list[int], st: dict, suffix: str) -> dict:
-        """A prefill's statistics and, where RidgeFill ran, what kept each fact's rows exact."""
+        """A prefill's statistics and, where RidgeFill ran, what kept each fact's rows exact (and for the first
+        prefill, when a re-ranked follow-up will list them, its exact prefix rows as ranges)."""
         from ..select.pieces import prompt_pieces
 
         out = {"stats" + suffix: {k: st[k] for k in STATS_KEPT if k in st}}
+        if suffix == "" and self.opts.rerank_follow_up and st.get("applied"):
+            out["exact_ranges"] = ranges_of(st["exact_rows"])
         if st.get("applied"):
             _, breaks = prompt_pieces(self.sess.llama_cpp, self.sess.llm.model, tokens[:-1])
             prefix = len(tokens) - 1 - st["n_tail"]
@@ -360,6 +403,8 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
     out_dir.mkdir(parents=True, exist_ok=True)
     done = {(r["sample"], r["config"], r["arm"]): r for r in load_jsonl(out_dir / "results.jsonl")}
     splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
+    if opts.summary_only:
+        return summarize_facts_folder(out_dir, list(done.values()), model, maps, splits, opts)
     docs = [d for d in _documents(opts) if len(d[2]) > 4 * max(opts.lengths)]
     if not docs:
         raise ValueError(f"no document is long enough for {max(opts.lengths)} tokens")
@@ -394,7 +439,8 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
 def answer_sample(talk: FactConversations, sample: FactSample, tokens: list[int], document: str, arms: list,
                   splits: dict, done: dict, out_dir) -> tuple[bool, list[str]]:
     """Every arm's answers to one sample that `done` lacks (appended to results.jsonl and kept in done); a run
-    resumed with the exact-only follow-up adds it to the answers it has. (whether any was asked, progress marks)"""
+    resumed with the exact-only or re-ranked follow-up adds it to the answers it has. (whether any was asked,
+    progress marks)"""
     from .arms import arm_params, selected
     from .documents import append_jsonl
 
@@ -406,6 +452,7 @@ def answer_sample(talk: FactConversations, sample: FactSample, tokens: list[int]
     for config, m, tail, arm in jobs:
         key = (sample.sample_id, config, "exact" if arm is None else arm.name)
         add = opts.exact_only_follow_up and "score_follow_up_exact_only" not in done.get(key, {})
+        rerank = opts.rerank_follow_up and "score_follow_up_rerank" not in done.get(key, {})
 
         def params_for(n: int, turn: str = "first") -> dict | None:
             if arm is None:
@@ -414,15 +461,17 @@ def answer_sample(talk: FactConversations, sample: FactSample, tokens: list[int]
             return {**arm_params(arm, n, tail, opts.selectors, counts.get((config, turn), {})), "tail": tail,
                     "min_prefix": 0}
 
-        if key not in done or add:
+        if key not in done or add or rerank:
             r = dict(done[key]) if key in done else talk.first_turn(sample, tokens, document, params_for(len(tokens)))
             if add:
                 r.update(talk.exact_only_turn(sample, document, r, lambda n: params_for(n, "exact_only")))
+            if rerank:
+                r.update(talk.rerank_turn(sample, tokens, document, r, lambda n: params_for(n, "rerank")))
             r.update(sample=sample.sample_id, config=config, arm=key[2])
             append_jsonl(out_dir / "results.jsonl", r)
             done[key], asked = r, True
         if arm is not None and arm.selector:
-            for turn, suffix in (("first", ""), ("exact_only", "_exact_only")):
+            for turn, suffix in (("first", ""), ("exact_only", "_exact_only"), ("rerank", "_rerank")):
                 if "stats" + suffix in done[key]:
                     counts.setdefault((config, turn), {})[arm.selector] = selected(done[key]["stats" + suffix],
                                                                                    arm.selector)
@@ -431,7 +480,8 @@ def answer_sample(talk: FactConversations, sample: FactSample, tokens: list[int]
 
 
 def write_facts_summary(out_dir, samples: list[FactSample], answers: list[dict], model, maps: list, splits: dict,
-                        opts: FactOptions, fmt: str) -> dict:
+                        opts: FactOptions, fmt: str, machine: dict | None | bool = False,
+                        summary_pass: dict | None = None, made_with: dict | None = None) -> dict:
     from pathlib import Path
 
     from ..util import hardware, write_atomic
@@ -439,11 +489,38 @@ def write_facts_summary(out_dir, samples: list[FactSample], answers: list[dict],
 
     write_atomic(Path(out_dir) / "samples.jsonl", "".join(json.dumps(s.__dict__) + "\n" for s in samples))
     result = summarize(samples, answers, splits, opts)
-    result.update(instrument="eval facts", hardware=hardware(), model=str(model), maps=[str(m) for m in maps],
-                  format=fmt, options={k: v for k, v in opts.__dict__.items() if k != "selectors"},
-                  selectors=opts.selectors.__dict__)
+    result.update(instrument="eval facts", hardware=hardware() if machine is False else machine, model=str(model),
+                  maps=[str(m) for m in maps], format=fmt,
+                  options={k: v for k, v in opts.__dict__.items() if k != "selectors"} | (made_with or {}),
+                  selectors=opts.selectors.__dict__, **({"summary_pass": summary_pass} if summary_pass else {}))
     write_summary(out_dir, result, markdown(result), plot)
     return result
+
+
+# the options that say how a run's answers were made, which a summary-only pass keeps from the run's summary
+MADE_WITH = ("docs", "threads", "n_gpu_layers", "flash_attn", "shard")
+
+
+def summarize_facts_folder(out_dir, answers: list[dict], model, maps: list, splits: dict,
+                           opts: FactOptions) -> dict:
+    """The summary of the answers already in out_dir, with this version's summary: its samples.jsonl as the run
+    wrote it, the model, maps, hardware and prompt format of the run's own summary.json (where the answers were
+    made), and this pass's machine recorded apart."""
+    from pathlib import Path
+
+    from ..util import hardware
+    from .documents import load_jsonl
+
+    out_dir = Path(out_dir)
+    if not (out_dir / "samples.jsonl").exists():
+        raise ValueError(f"--summary-only: {out_dir / 'samples.jsonl'} is missing (no whole run wrote samples there)")
+    samples = [FactSample(**r) for r in load_jsonl(out_dir / "samples.jsonl")]
+    before = json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").exists() else {}
+    return write_facts_summary(out_dir, samples, answers, before.get("model", model), before.get("maps", maps),
+                               splits, opts, before.get("format", opts.fmt), machine=before.get("hardware"),
+                               summary_pass={"hardware": hardware(), "note": "--summary-only: the answers in "
+                                             "results.jsonl were made by earlier runs; this pass answered nothing"},
+                               made_with={k: v for k, v in before.get("options", {}).items() if k in MADE_WITH})
 
 
 def paired_scores(samples: list[FactSample], by: dict, config: str, arm: str, field: str, fact: str,
@@ -454,6 +531,11 @@ def paired_scores(samples: list[FactSample], by: dict, config: str, arm: str, fi
            and field in by.get((s.sample_id, "exact", "exact"), {}) and field in by.get((s.sample_id, config, arm), {})]
     rows = [by[(s.sample_id, config, arm)] for s in got]
     return got, rows, [r[field] - by[(s.sample_id, "exact", "exact")][field] for s, r in zip(got, rows)]
+
+
+# the samples an arm answered differently from exact: lost (exact right, the arm wrong) or won, and whether any of the
+# asked fact's rows was filled in the prefill the answer read, or all were exact (so the fill elsewhere decided)
+DISCORDANT = ("lost_filled", "lost_exact", "won_filled", "won_exact")
 
 
 def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts: FactOptions) -> dict:
@@ -469,7 +551,7 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
             name = f"S{split}-T{tail}"
             table = {}
             for turn, score, fact, mech_field in TURNS:
-                if turn == "follow_up_exact_only" and not opts.exact_only_follow_up:
+                if turn in OPTIONAL_TURNS and not getattr(opts, OPTIONAL_TURNS[turn]):
                     continue
                 usable = [s for s in samples if s.filled_region(tail, getattr(s, fact))
                           and score in by.get((s.sample_id, "exact", "exact"), {})]
@@ -478,11 +560,16 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                 for arm in opts.arms:
                     got, rows, diffs = paired_scores(samples, by, name, arm, score, fact, tail)
                     mech = dict.fromkeys(MECHANISMS, 0)
-                    for s, r in zip(got, rows):
-                        for k, v in (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)].items():
+                    split_ = dict.fromkeys(DISCORDANT, 0)
+                    for s, r, d in zip(got, rows, diffs):
+                        counts = (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)]
+                        for k, v in counts.items():
                             mech[k] += v
+                        if d:
+                            split_[("won" if d > 0 else "lost") + ("_filled" if counts.get("filled") else "_exact")] += 1
                     arms[arm] = {"accuracy": mean_or_none([r[score] for r in rows]), "samples": len(rows),
-                                 "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech}
+                                 "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech,
+                                 "discordant": split_}
                 table[turn] = {"samples": len(usable), "arms": arms}
             configs[name] = {"split": split, "tail": tail, "turns": table}
     return {"configs": configs, "n_samples": len(samples),
@@ -503,11 +590,15 @@ def markdown(result: dict) -> str:
              f"{result['format']} prompts; seed {o['seed']}. Accuracy in % on the samples whose asked fact lies "
              "before the tail; Δ = arm minus exact, paired [95% bootstrap interval]. The follow-up asks another fact "
              "over the cache the first answer left; follow_up_exact_only asks it as llama-server's --ridgefill-reuse "
-             "exact-only serves it, a fresh RidgeFill prefill of the conversation. Fact rows: what kept the asked "
+             "exact-only serves it, a fresh RidgeFill prefill of the conversation; follow_up_rerank prefills it "
+             "again keeping the first prefill's exact rows exact and ranking the rest for the new question (a "
+             "re-ranking follow-up, emulated). Fact rows: what kept the asked "
              "fact's rows exact in the prefill the answer read (tail / special / lexical net / whole number completed / "
              "digit, probe or whole number, in runs before API 22 / the selector's ranking / filled).", "",
-             "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/w/d/sel/filled |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Lost / won: the samples exact answered and the arm did not / the other way, where any of the asked "
+             "fact's rows was filled + where all were exact.", "",
+             "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/w/d/sel/filled | lost / won |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, c in result["configs"].items():
         for turn, t in c["turns"].items():
             for arm in o["arms"]:
@@ -515,8 +606,11 @@ def markdown(result: dict) -> str:
                 d = a["delta"]
                 delta = "n/a" if not d["n"] else f"{100 * d['mean']:+.0f} [{100 * d['lo']:+.0f}, {100 * d['hi']:+.0f}]"
                 m = "/".join(str(a["fact_rows"][k]) for k in MECHANISMS)
+                c = a.get("discordant")
+                split_ = "n/a" if c is None else (f"{c['lost_filled']}+{c['lost_exact']} / "
+                                                 f"{c['won_filled']}+{c['won_exact']}")
                 lines.append(f"| {name} | {turn} | {a['samples']} | {_pct(t['arms']['exact']['accuracy'])} | {arm} | "
-                             f"{_pct(a['accuracy'])} | {delta} | {m} |")
+                             f"{_pct(a['accuracy'])} | {delta} | {m} | {split_} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,8 @@
 # selectors is issue 8's study: at the middle split and T = 1024, the needles with the exact-row arms (at least 50
 # filled-region samples) and the loss on key tokens beside them. facts is issue 22's: facts asked in other words and
 # a follow-up, over the reused cache and as --ridgefill-reuse exact-only serves it, at the middle split and
-# T = 1024 (SHARDS side by side as for claim; FACT_LENGTHS the prompt lengths).
+# T = 1024 (SHARDS side by side as for claim; FACT_LENGTHS the prompt lengths; RERANK=1 adds the re-ranked
+# follow-up, BUDGET= and TAG= another budget factor in a folder of its own).
 # Results accumulate under $HOME/ridgefill/study (every instrument resumes) and come back as $OUT/study.tgz at the
 # end of each call, whatever was reached ($OUT returns 8 files at most). Maps and texts carried in any earlier call
 # are kept under $HOME/ridgefill, so a later call can carry a model piece instead. DEADLINE (s from the start of
@@ -104,7 +105,7 @@ for inst in $instruments; do
         facts=(facts "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail 1024
                --lengths "${FACT_LENGTHS:-$fact_lengths}" --samples "${SAMPLES:-$fact_samples}" --out "$out" -ngl 99
                --arms "${ARMS:-ridge,ridge+probe,ridge+random:probe,ridge+blind-probe,ridge+protected}"
-               --exact-only-follow-up ${BUDGET:+--budget "$BUDGET"})
+               --exact-only-follow-up ${RERANK:+--rerank-follow-up} ${BUDGET:+--budget "$BUDGET"})
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
