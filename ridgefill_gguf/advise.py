@@ -208,11 +208,10 @@ def measured_speeds(bench: dict) -> dict[tuple[str, float | None], dict]:
     for s in bench.get("selectors") or []:
         name, _, budget = s["selector"].partition("@")
         if name == "probe":
-            out[("ridge+probe", float(budget) if budget else 1.0)] = {"tokens": row["tokens"], "speedup": s["speedup_vs_exact"],
-                                  "share_of_ceiling": s["share_of_ceiling"],
-                                  "exact_share": s["selected"] / s["prefix"],
-                                  "probe_rows": s["probe_rows"], "ms": s["median_ms"],
-                                  "stock_ms": row["median_exact_ms"]}
+            out[("ridge+probe", float(budget) if budget else 1.0)] = {
+                "tokens": row["tokens"], "speedup": s["speedup_vs_exact"], "share_of_ceiling": s["share_of_ceiling"],
+                "exact_share": s["selected"] / s["prefix"], "probe_rows": s["probe_rows"], "ms": s["median_ms"],
+                "stock_ms": row["median_exact_ms"]}
     return out
 
 
@@ -241,9 +240,10 @@ def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None
     if ok:
         return None, ("the configurations within the margin are not faster than the stock prefill at this length "
                       "on this machine: serve the stock prefill")
-    return None, ("no configuration has a committed retrieval bound within the margin: serve the stock prefill, "
-                  "or measure this model's quality (eval needles, eval facts, eval report) and ask again with "
-                  "--quality")
+    return None, ("no configuration's committed quality holds the margin on every question measured (the needles, "
+                  "and facts asked in other words: the first question and the follow-up its reuse policy serves): "
+                  "serve the stock prefill, or measure this model's quality (eval needles, eval facts, eval report) "
+                  "and ask again with --quality")
 
 
 def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries: list[dict],
@@ -325,6 +325,14 @@ def flags(c: dict) -> str:
     return f"--ridgefill-tail {c['tail']} --ridgefill-select {ARMS[c['arm']] or 'none'}{budget}{reuse}"
 
 
+def facts_said(c: dict) -> str:
+    """The chosen configuration's natural-question tests, as the advice states them."""
+    said = [f"{name} {100 * q['mean']:+.1f} (bound {100 * q['bound']:+.1f})"
+            for name, t in (("first question", "first"), ("follow-up", FOLLOW_UP_OF[c.get("reuse", "any")]))
+            if (q := c["facts"].get(t))]
+    return "; facts asked in other words: " + ", ".join(said) if said else ""
+
+
 def markdown(r: dict) -> str:
     m = r["model"]
     lines = [f"# RidgeFill advice: {m['file']}", "",
@@ -356,6 +364,7 @@ def markdown(r: dict) -> str:
     ch = r["choice"]
     lines += ["", "**Advice:** " + (
         f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "
-        f"{r['tokens']:,} tokens, retrieval {100 * ch['quality']['mean']:+.1f} points (bound "
-        f"{100 * ch['quality']['bound']:+.1f}) in `{ch['quality']['run']}`." if ch else r["why_none"] + ".")]
+        f"{r['tokens']:,} tokens, needle retrieval {100 * ch['quality']['mean']:+.1f} points (bound "
+        f"{100 * ch['quality']['bound']:+.1f}) in `{ch['quality']['run']}`" + facts_said(ch) + "."
+        if ch else r["why_none"] + ".")]
     return "\n".join(lines) + "\n"

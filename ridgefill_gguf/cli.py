@@ -496,8 +496,8 @@ def bench(model, maps, lengths, tail, placements, repeats, n_gpu_layers, threads
 @click.option("-ngl", "--n-gpu-layers", type=int, default=None)
 @click.option("-t", "--threads", type=int, default=None)
 def advise(model, maps, tokens, margin, tails, measure_tokens, quality, out_dir, n_gpu_layers, threads) -> None:
-    """Which split, tail and selector to serve MODEL with for a quality margin: speed measured here, quality from
-    the committed studies (or --quality)."""
+    """Which split, tail, selector, budget and follow-up reuse to serve MODEL with for a quality margin: speed
+    measured here, quality from the committed studies (or --quality)."""
     from . import advise as A
 
     n_tokens, n_measure = _one_int(tokens, "--tokens"), _one_int(measure_tokens, "--measure-tokens")
@@ -782,7 +782,8 @@ def eval_facts(model, maps, out_dir, docs, lengths, samples, tails, arms, exact_
     opts = FactOptions(docs=tuple(docs), lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                        arms=_arms(arms, selectors=True, follows=True), fmt=fmt, seed=seed, threads=threads,
                        n_gpu_layers=n_gpu_layers, exact_only_follow_up=exact_only_follow_up, shard=_shard(shard),
-                       rerank_follow_up=rerank_follow_up, summary_only=summary_only, selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
+                       rerank_follow_up=rerank_follow_up, summary_only=summary_only,
+                       selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
                                             seed))
     _run_instrument(run_facts, model, list(maps), out_dir, opts, out_dir=out_dir)
 

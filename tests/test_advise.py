@@ -150,7 +150,9 @@ def test_advise_names_the_budget_and_the_reuse_policy_whose_natural_follow_up_ho
     ch = tight["choice"]
     assert (ch["arm"], ch["budget"], ch["reuse"]) == ("ridge+probe", 2.0, "exact-only")
     assert ch["quality"]["from_budget"] == 1.0  # budget 2 has no needles run: the default's, a subset of its rows
-    assert "--ridgefill-budget 2 --ridgefill-reuse exact-only" in (tmp_path / "out-0.02" / "advice.md").read_text()
+    md = (tmp_path / "out-0.02" / "advice.md").read_text()
+    assert "--ridgefill-budget 2 --ridgefill-reuse exact-only" in md
+    assert "facts asked in other words: first question -0.2 (bound -0.7), follow-up -0.8 (bound -1.5)" in md
     # a looser margin lets the faster default budget serve, its follow-ups prefilled again or over the cache
     assert (middle["choice"]["budget"], middle["choice"]["reuse"]) == (1.0, "exact-only")
     assert (loose["choice"]["budget"], loose["choice"]["reuse"]) == (1.0, "any")

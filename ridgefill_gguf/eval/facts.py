@@ -356,17 +356,18 @@ class FactConversations:
                 "score_follow_up_exact_only": answered(pred, sample.facts[sample.follow_up]["answer"]),
                 **self.prefill_record(sample, tokens2, st, "_exact_only")}
 
-    def rerank_turn(self, sample: FactSample, tokens: list[int], document: str, r: dict, params_for) -> dict:
+    def rerank_turn(self, sample: FactSample, tokens: list[int], document: str, r: dict, params_for,
+                    first_params_for) -> dict:
         """The follow-up after the first answer r["pred"], prefilled again (resumed from the held split state) with
         the first prefill's exact prefix rows listed exact and the arm's selector ranking the rest for the new
         question (params_for(n) -> params, or None for stock). The first prefill's rows come from r, or from that
-        prefill run again where a run before this option left them out."""
+        prefill run again with its own parameters (first_params_for) where a run before this option left them out."""
         tokens2 = self.follow_up_tokens(sample, document, r["pred"])
         params = params_for(len(tokens2))
         if params is None:
             return {"pred_follow_up_rerank": r["pred_follow_up"], "score_follow_up_rerank": r["score_follow_up"]}
         kept = rows_of(r["exact_ranges"]) if "exact_ranges" in r else \
-            self.sess.ridgefill(tokens, **params_for(len(tokens)))[2]["exact_rows"]
+            self.sess.ridgefill(tokens, **first_params_for(len(tokens)))[2]["exact_rows"]
         logits, _, st = self.sess.ridgefill_resumed(tokens2, **{**params, "exact_rows": kept})
         pred = self.sess.detokenize(self.sess.greedy(logits, len(tokens2), MAX_NEW))
         return {"pred_follow_up_rerank": pred, "kept_exact": len(kept),
@@ -466,7 +467,8 @@ def answer_sample(talk: FactConversations, sample: FactSample, tokens: list[int]
             if add:
                 r.update(talk.exact_only_turn(sample, document, r, lambda n: params_for(n, "exact_only")))
             if rerank:
-                r.update(talk.rerank_turn(sample, tokens, document, r, lambda n: params_for(n, "rerank")))
+                r.update(talk.rerank_turn(sample, tokens, document, r, lambda n: params_for(n, "rerank"),
+                                          params_for))
             r.update(sample=sample.sample_id, config=config, arm=key[2])
             append_jsonl(out_dir / "results.jsonl", r)
             done[key], asked = r, True
@@ -566,7 +568,8 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                         for k, v in counts.items():
                             mech[k] += v
                         if d:
-                            split_[("won" if d > 0 else "lost") + ("_filled" if counts.get("filled") else "_exact")] += 1
+                            rows_filled = "_filled" if counts.get("filled") else "_exact"
+                            split_[("won" if d > 0 else "lost") + rows_filled] += 1
                     arms[arm] = {"accuracy": mean_or_none([r[score] for r in rows]), "samples": len(rows),
                                  "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech,
                                  "discordant": split_}
@@ -597,7 +600,8 @@ def markdown(result: dict) -> str:
              "digit, probe or whole number, in runs before API 22 / the selector's ranking / filled).", "",
              "Lost / won: the samples exact answered and the arm did not / the other way, where any of the asked "
              "fact's rows was filled + where all were exact.", "",
-             "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/w/d/sel/filled | lost / won |",
+             "| config | question | samples | exact | arm | accuracy | Δ | fact rows t/s/l/w/d/sel/filled "
+             "| lost / won |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, c in result["configs"].items():
         for turn, t in c["turns"].items():

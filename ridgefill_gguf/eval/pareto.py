@@ -119,8 +119,12 @@ def plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = r["panels"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for ax, p in zip(axes[0], panels):
+    cols = min(len(panels), 4)  # a grid, so that many panels stay readable
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, p in zip(axes.flat, panels):
         for x in p["points"]:
             ax.errorbar(x["speedup"], 100 * x["mean"], yerr=[[100 * (x["mean"] - x["bound"])], [0]], fmt="o",
                         color="C3" if x["frontier"] else "C0", capsize=3)
@@ -129,6 +133,7 @@ def plot(r: dict, path: Path) -> None:
         front = sorted((x for x in p["points"] if x["frontier"]), key=lambda x: x["speedup"])
         ax.plot([x["speedup"] for x in front], [100 * x["mean"] for x in front], color="C3", lw=0.8)
         ax.axhline(0, color="k", lw=0.6)
+        ax.axhline(-2, color="k", lw=0.6, ls=":")  # the 2-point margin
         ax.set_xlabel(f"speedup at {p['tokens']:,} tokens")
         ax.set_ylabel("Δ vs exact (points)")
         ax.set_title(f"{Path(p['model']).stem} S{p['split']}: {p['measure']}", fontsize=9)
