@@ -311,7 +311,8 @@ def rows_of(ranges: list[list[int]]) -> list[int]:
 
 class FactConversations:
     """One engine session asking each sample's questions, per arm: the first question, the follow-up over the cache
-    the first answer left and, when asked for, the follow-up as --ridgefill-reuse exact-only serves it."""
+    the first answer left and, when asked for, the follow-up as --ridgefill-reuse exact-only serves it and re-ranked
+    for its question beside the first prefill's exact rows."""
 
     def __init__(self, sess, builder: "FactPromptBuilder", opts: FactOptions):
         self.sess, self.builder, self.opts = sess, builder, opts
