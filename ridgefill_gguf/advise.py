@@ -164,10 +164,10 @@ def facts_of(entries: list[dict], split: int, tail: int, arm: str, budget: float
     return {t[0]: q for t in FACT_TURNS if (q := quality_of(entries, split, tail, arm, t[0], budget or 1.0))}
 
 
-def committed_budgets(entries: list[dict], split: int, tail: int) -> list[float]:
-    """The probe's budget factors the committed studies measured at this split and tail, the default among them."""
-    return sorted({1.0} | {b for e in entries if (e["split"], e["tail"]) == (split, tail) and e["arm"] == "ridge+probe"
-                           and default_like(e, free=("budget",)) and (b := budget_of(e)) is not None})
+def committed_budgets(entries: list[dict]) -> list[float]:
+    """The probe's budget factors the committed studies measured (any split and tail), the default among them."""
+    return sorted({1.0} | {b for e in entries if e["arm"] == "ridge+probe" and default_like(e, free=("budget",))
+                           and (b := budget_of(e)) is not None})
 
 
 def within(q: dict, margin: float) -> bool | None:
@@ -284,8 +284,7 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
     if matched is None:
         log(f"advise: no committed quality for {sig['file']} ({sig['name']}, {sig['arch']}, {sig['n_layer']} "
             "layers): the speeds below are measured, the quality is not; measure it with eval needles and eval facts")
-    budgets = sorted({b for e in entries + fact_entries for b in committed_budgets([e], e["split"], e["tail"])})
-    selectors = ("probe",) + tuple(f"probe@{b:g}" for b in budgets if b != 1.0)
+    selectors = ("probe",) + tuple(f"probe@{b:g}" for b in committed_budgets(entries + fact_entries) if b != 1.0)
     measure = measure or (lambda m, t: run_bench(
         model, m, [measure_tokens], tail=t, repeats=1, selectors=selectors, threads=threads,
         n_gpu_layers=n_gpu_layers, out_dir=out_dir / "bench", label=f"{Path(m).stem}-T{t}", log=log))

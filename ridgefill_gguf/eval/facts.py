@@ -563,17 +563,17 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                 for arm in opts.arms:
                     got, rows, diffs = paired_scores(samples, by, name, arm, score, fact, tail)
                     mech = dict.fromkeys(MECHANISMS, 0)
-                    split_ = dict.fromkeys(DISCORDANT, 0)
+                    discordant = dict.fromkeys(DISCORDANT, 0)
                     for s, r, d in zip(got, rows, diffs):
                         counts = (r.get(mech_field) or [{}] * len(s.facts))[getattr(s, fact)]
                         for k, v in counts.items():
                             mech[k] += v
                         if d:
                             rows_filled = "_filled" if counts.get("filled") else "_exact"
-                            split_[("won" if d > 0 else "lost") + rows_filled] += 1
+                            discordant[("won" if d > 0 else "lost") + rows_filled] += 1
                     arms[arm] = {"accuracy": mean_or_none([r[score] for r in rows]), "samples": len(rows),
                                  "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech,
-                                 "discordant": split_}
+                                 "discordant": discordant}
                 table[turn] = {"samples": len(usable), "arms": arms}
             configs[name] = {"split": split, "tail": tail, "turns": table}
     return {"configs": configs, "n_samples": len(samples),
@@ -611,11 +611,10 @@ def markdown(result: dict) -> str:
                 d = a["delta"]
                 delta = "n/a" if not d["n"] else f"{100 * d['mean']:+.0f} [{100 * d['lo']:+.0f}, {100 * d['hi']:+.0f}]"
                 m = "/".join(str(a["fact_rows"][k]) for k in MECHANISMS)
-                c = a.get("discordant")
-                split_ = "n/a" if c is None else (f"{c['lost_filled']}+{c['lost_exact']} / "
-                                                 f"{c['won_filled']}+{c['won_exact']}")
+                x = a["discordant"]
+                lost_won = f"{x['lost_filled']}+{x['lost_exact']} / {x['won_filled']}+{x['won_exact']}"
                 lines.append(f"| {name} | {turn} | {a['samples']} | {_pct(t['arms']['exact']['accuracy'])} | {arm} | "
-                             f"{_pct(a['accuracy'])} | {delta} | {m} | {split_} |")
+                             f"{_pct(a['accuracy'])} | {delta} | {m} | {lost_won} |")
     return "\n".join(lines) + "\n"
 
 
