@@ -31,7 +31,7 @@ class Candidate:
     tail: int
     arm: str
     budget: float | None = None   # the probe's budget factor (None: plain RidgeFill)
-    reuse: str = "any"            # how a follow-up is served: over the reused cache, or prefilled again (exact-only)
+    reuse: str = "any"            # how a follow-up is served: over the reused cache, or prefilled again (RESUMED)
     quality: dict | None = None   # needles: n, mean, bound, floor (fractions), run
     facts: dict = field(default_factory=dict)  # eval facts per question: the same fields
     speed: dict | None = None     # measured here and carried to the served length
@@ -160,7 +160,7 @@ def needles_at(entries: list[dict], split: int, tail: int, arm: str, budget: flo
 
 def facts_of(entries: list[dict], split: int, tail: int, arm: str, budget: float | None = None) -> dict:
     """{question: the committed eval facts test} of one configuration (the follow-up as llama-server serves it by
-    default, over the reused cache, and under exact-only reuse)."""
+    default, over the reused cache, and under exact-only and rerank reuse)."""
     return {t[0]: q for t in FACT_TURNS if (q := quality_of(entries, split, tail, arm, t[0], budget or 1.0))}
 
 
@@ -218,8 +218,11 @@ def measured_speeds(bench: dict) -> dict[tuple[str, float | None], dict]:
 # --- the advice ------------------------------------------------------------------------------------------------
 
 # the follow-up question each reuse policy serves: over the reused cache, or a RidgeFill prefill resumed from the
-# held split state that ranks the rows for the new question (--ridgefill-reuse exact-only)
-FOLLOW_UP_OF = {"any": "follow_up", "exact-only": "follow_up_exact_only"}
+# held split state that ranks the rows for the new question (--ridgefill-reuse exact-only), keeping exact those the
+# first prefill ran exactly (rerank)
+FOLLOW_UP_OF = {"any": "follow_up", "exact-only": "follow_up_exact_only", "rerank": "follow_up_rerank"}
+RESUMED = ("exact-only", "rerank")
+CHEAPER_FOLLOW_UP = ("rerank", "exact-only", "any")  # of equals, the last: rerank keeps more rows exact
 
 
 def holds(c: Candidate, margin: float) -> bool:
@@ -232,11 +235,12 @@ def holds(c: Candidate, margin: float) -> bool:
 
 def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None, str]:
     """The fastest configuration (at the served length) whose committed quality holds the margin and that is faster
-    than the stock prefill there (of equals, the one whose follow-ups reuse the cache); else None and why."""
+    than the stock prefill there (of equals, the one whose follow-ups cost least: over the reused cache, then
+    exact-only); else None and why."""
     ok = [c for c in candidates if holds(c, margin)]
     faster = [c for c in ok if c.speed["at_tokens"]["speedup"] > 1.0]
     if faster:
-        return max(faster, key=lambda c: (c.speed["at_tokens"]["speedup"], c.reuse == "any")), ""
+        return max(faster, key=lambda c: (c.speed["at_tokens"]["speedup"], CHEAPER_FOLLOW_UP.index(c.reuse))), ""
     if ok:
         return None, ("the configurations within the margin are not faster than the stock prefill at this length "
                       "on this machine: serve the stock prefill")
@@ -251,7 +255,7 @@ def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries
     """One measured configuration as served: its follow-ups over the reused cache, and (for the probe, where a run
     measured it) prefilled again for the new question."""
     facts = facts_of(fact_entries, split, tail, arm, budget)
-    policies = ("any", "exact-only") if ARMS[arm] and FOLLOW_UP_OF["exact-only"] in facts else ("any",)
+    policies = ("any",) + tuple(p for p in RESUMED if ARMS[arm] and FOLLOW_UP_OF[p] in facts)
     out = [Candidate(split, tail, arm, budget, reuse, needles_at(entries, split, tail, arm, budget), facts)
            for reuse in policies]
     for c in out:
@@ -259,8 +263,9 @@ def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries
             c.notes.append("no committed retrieval for this configuration")
         elif c.quality.get("from_budget"):
             c.notes.append("needles from the default budget's run: a larger budget keeps a superset of its exact rows")
-        if c.reuse == "exact-only":
-            c.notes.append("each follow-up is prefilled again with RidgeFill, resumed from the held split state")
+        if c.reuse in RESUMED:
+            c.notes.append("each follow-up is prefilled again with RidgeFill, resumed from the held split state" +
+                           (", the rows the first prefill ran exactly kept exact" if c.reuse == "rerank" else ""))
     return out
 
 
@@ -320,7 +325,7 @@ def verdict(q: dict | None, margin: float) -> str:
 def flags(c: dict) -> str:
     """The llama-server flags that serve a candidate (the maps file carries the split)."""
     budget = f" --ridgefill-budget {c['budget']:g}" if c.get("budget") not in (None, 1.0) else ""
-    reuse = " --ridgefill-reuse exact-only" if c.get("reuse") == "exact-only" else ""
+    reuse = f" --ridgefill-reuse {c['reuse']}" if c.get("reuse") in RESUMED else ""
     return f"--ridgefill-tail {c['tail']} --ridgefill-select {ARMS[c['arm']] or 'none'}{budget}{reuse}"
 
 
@@ -344,7 +349,8 @@ def markdown(r: dict) -> str:
              "whose questions repeat the needle's words, so the lexical net helps; questions in other words: "
              "docs/eval.md, eval facts).", "",
              "Follow-ups `any` reuse the cache the first request left; `exact-only` prefills the conversation "
-             "again for the new question, resumed from the held split state (`--ridgefill-reuse exact-only`). "
+             "again for the new question, resumed from the held split state (`--ridgefill-reuse exact-only`); "
+             "`rerank` does too and keeps exact the rows the first prefill ran exactly (`--ridgefill-reuse rerank`). "
              "Facts in other words: the first question and the follow-up that policy serves.", "",
              "| split | tail | arm | budget | follow-ups | measured speedup | MAC ceiling share | estimated speedup at "
              "length | needles: retrieval Δ (bound), samples | within margin | facts in other words: first / "

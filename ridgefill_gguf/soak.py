@@ -28,7 +28,8 @@ def soak_model(folder: Path, arch: str = "llama") -> tuple[Path, Path]:
 
 def plan(n: int, seed: int = 0, max_len: int = 1500) -> list[dict]:
     """The requests: prompt tokens, RidgeFill or not, cache or not, tokens to generate, a cancel delay, and the
-    RidgeFill request's reuse policy (half exact-only, which resumes from the held split state where it can)."""
+    RidgeFill request's reuse policy (a quarter exact-only and a quarter rerank, which resume from the held split
+    state where they can)."""
     rng = random.Random(seed)
     policy_rng = random.Random(seed + 1)  # its own draws, so the rest of the plan is what it was before it
     shared = [rng.randrange(1000, 20000) for _ in range(max_len)]  # a common document, so the cache is reused
@@ -40,8 +41,12 @@ def plan(n: int, seed: int = 0, max_len: int = 1500) -> list[dict]:
         reqs.append({"i": i, "prompt": prompt, "ridgefill": rng.random() < 0.6, "cache_prompt": rng.random() < 0.5,
                      "n_predict": rng.randrange(1, 12),
                      "cancel_after_s": rng.uniform(0.0, 0.2) if rng.random() < 0.1 else None,
-                     "reuse": "exact-only" if policy_rng.random() < 0.5 else "any"})
+                     "reuse": resumed_or_any(policy_rng.random())})
     return reqs
+
+
+def resumed_or_any(draw: float) -> str:
+    return "exact-only" if draw < 0.25 else "rerank" if draw < 0.5 else "any"
 
 
 def send(srv: Server, req: dict) -> dict:

@@ -160,3 +160,26 @@ def test_advise_names_the_budget_and_the_reuse_policy_whose_natural_follow_up_ho
     assert policies == {("ridge", None, "any"), ("ridge+probe", 1.0, "any"), ("ridge+probe", 1.0, "exact-only"),
                         ("ridge+probe", 2.0, "any"), ("ridge+probe", 2.0, "exact-only")}
     assert timed == [64, 64, 64]
+
+
+def test_advise_names_the_rerank_policy_where_only_the_follow_up_that_keeps_the_first_exact_rows_holds(tmp_path):
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+
+    def fact(turn: str, bound: float) -> dict:
+        return entry(1, 64, "ridge+probe", bound, n=400, turn=turn, probe=A.DEFAULT_PROBE)
+
+    facts = [fact("first", -0.01), fact("follow_up", -0.13), fact("follow_up_exact_only", -0.06),
+             fact("follow_up_rerank", -0.012)]
+    curves = {model.name: {"signature": None, "facts": facts,
+                           "needles": [entry(1, 64, "ridge", -0.40), entry(1, 64, "ridge+probe", -0.015)]}}
+
+    def run(margin: float) -> dict:
+        return A.advise(model, [maps], tokens=8192, margin=margin, tails=(64,), measure_tokens=1024, curves=curves,
+                        out_dir=tmp_path / f"out-{margin}", measure=lambda m, t: bench_like(1.9, 1.4), log=print)
+
+    tight, loose = run(0.02), run(0.15)
+    assert (tight["choice"]["budget"], tight["choice"]["reuse"]) == (1.0, "rerank")
+    assert "--ridgefill-reuse rerank" in (tmp_path / "out-0.02" / "advice.md").read_text()
+    # where every policy holds, the one whose follow-ups cost least: over the reused cache
+    assert loose["choice"]["reuse"] == "any"
+    assert {c["reuse"] for c in tight["candidates"] if c["arm"] == "ridge+probe"} == {"any", "exact-only", "rerank"}

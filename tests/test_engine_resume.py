@@ -170,3 +170,37 @@ def test_a_hybrid_holds_rows_only_up_to_where_its_states_were_kept_since_its_sta
     assert res["keep_refused"] is False and res["pos_max_after_refusal"] == -1
     assert res["extended_reused"] == 257
     assert "cannot keep its first 100 of 377 positions alone" in res["partial_extend"]
+
+
+KEEP_SCRIPT = COMMON + r'''# keep_held_exact: the first prefill's exact rows (its chosen prefix rows and its tail) stay exact in the resumed
+# one, which is the resumed prefill with those rows listed exact (the research control the study emulated it with)
+_, _, st_first = S.ridgefill(first, **p)
+tail0 = len(first) - 1 - st_first["n_tail"]
+listed = sorted(set(st_first["exact_rows"]) | set(range(tail0, len(first) - 1)))
+kept, _, st_kept = S.ridgefill_resumed(follow, **p, keep_held_exact=True)
+S.ridgefill(first, **p)
+emulated, _, st_emulated = S.ridgefill_resumed(follow, **p, keep_held_exact=False, exact_rows=listed)
+S.ridgefill(first, **p)
+plain, _, st_plain = S.ridgefill_resumed(follow, **p, exact_rows=[])  # configure keeps what it was given
+res["kept_identical_to_listed"] = kept.tobytes() == emulated.tobytes()
+res["kept_rows_equal"] = st_kept["exact_rows"] == st_emulated["exact_rows"]
+res["first_exact_kept"] = set(listed) <= set(st_kept["exact_rows"])
+res["n_kept_exact"], res["n_exact_kept"], res["n_exact_plain"] = (st_kept["n_kept_exact"], st_kept["n_exact"],
+                                                                  st_plain["n_exact"])
+res["held_kept"] = st_kept["held"]
+# with nothing held (a fresh prefill) the setting keeps nothing and changes no byte
+fresh_keep, _, st_fresh_keep = S.ridgefill(follow, **p, keep_held_exact=True, exact_rows=[])
+res["fresh_unchanged"] = fresh_keep.tobytes() == fresh.tobytes() and st_fresh_keep["n_kept_exact"] == 0
+print("RESULT " + json.dumps(res))
+'''
+
+
+def test_a_resumed_prefill_that_keeps_the_held_exact_rows_is_the_resume_with_those_rows_listed_exact(tmp_path):
+    require_builds("ridgefill")
+    model, maps = tiny_model_with_maps(tmp_path, "llama", n_layer=4, split=1)
+    res = run_script(KEEP_SCRIPT, {"model": str(model), "maps": str(maps), "params": PARAMS})
+    assert res["held_kept"] == 256
+    assert res["kept_identical_to_listed"] and res["kept_rows_equal"] and res["first_exact_kept"]
+    # it keeps rows the new ranking alone would have filled
+    assert res["n_kept_exact"] > 0 and res["n_exact_kept"] > res["n_exact_plain"]
+    assert res["fresh_unchanged"]

@@ -358,7 +358,7 @@ def test_the_exact_only_policy_keeps_ridgefill_requests_off_approximated_cells_a
         allowed = srv.complete(PROMPT, n_predict=4, cache_prompt=True)
         srv.complete(PROMPT, n_predict=4)
         refused = srv.complete(PROMPT, n_predict=4, cache_prompt=True, ridgefill_reuse="exact-only")
-        with pytest.raises(ServerError, match="ridgefill_reuse must be any or exact-only, not 'sometimes'"):
+        with pytest.raises(ServerError, match="ridgefill_reuse must be any, exact-only or rerank, not 'sometimes'"):
             srv.complete(PROMPT, n_predict=1, ridgefill_reuse="sometimes")
         total = metric(srv, "ridgefill_approx_reused_total")
     env = {"LLAMA_ARG_RIDGEFILL_REUSE": "exact-only"}
@@ -412,6 +412,29 @@ def test_an_exact_only_follow_up_resumes_from_the_held_split_state_and_answers_a
     assert stock["timings"]["cache_n"] <= start
     assert "refused" in refused["timings"]["ridgefill"] and refused["timings"]["cache_n"] == start
     assert top_logprob_gap(refused, stock) < STOCK_NOISE
+
+
+def test_a_rerank_follow_up_keeps_exact_the_rows_the_first_prefill_ran_exactly_and_ranks_the_rest_again(
+        model_and_maps):
+    require_builds("ridgefill")
+    model, maps, _, d = model_and_maps
+    ask = dict(n_predict=4, cache_prompt=True, id_slot=0)
+    env = {"LLAMA_ARG_RIDGEFILL_REUSE": "rerank"}
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, env=env, log_path=d / "rerank.log") as srv:
+        first = srv.complete(PROMPT, n_predict=4, id_slot=0)
+        rerank = srv.complete(PROMPT + FOLLOW_UP, **ask)
+        srv.complete(PROMPT, n_predict=4, id_slot=0)
+        exact_only = srv.complete(PROMPT + FOLLOW_UP, ridgefill_reuse="exact-only", **ask)
+        props = srv.get("/props")["ridgefill"]
+    rf, rf_first, rf_exact_only = (r["timings"]["ridgefill"] for r in (rerank, first, exact_only))
+    assert props["reuse"] == "rerank"
+    # both prefill again from the first approximated row over the held split state, the same rows
+    assert rf["resumed"] == rf_exact_only["resumed"] > 0 and rf["rows"] == rf_exact_only["rows"]
+    assert "approx_reused" not in rf
+    # rerank keeps the first prefill's exact rows that the new ranking alone leaves filled, on top of its own
+    assert rf["kept_exact"] > 0 and rf_exact_only["kept_exact"] == 0 and rf_first["kept_exact"] == 0
+    assert rf["exact"] - rf["kept_exact"] - rf["selected"] == rf_exact_only["exact"] - rf_exact_only["selected"]
+    assert rf["exact"] > rf_exact_only["exact"]
 
 
 def test_the_ram_prompt_cache_and_slot_files_carry_which_cells_are_approximated(model_and_maps):

@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 22
+API_VERSION = 23
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -98,7 +98,7 @@ class Stats(ctypes.Structure):
                 ("n_state_corrected", ctypes.c_int32),
                 ("n_masks_made", ctypes.c_int32), ("t_recurrent_ms", ctypes.c_double),
                 ("n_fill_skipped", ctypes.c_int32), ("n_late_devices", ctypes.c_int32),
-                ("n_bytes_moved", ctypes.c_int64)]
+                ("n_bytes_moved", ctypes.c_int64), ("n_kept_exact", ctypes.c_int32)]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -121,7 +121,7 @@ class Params(ctypes.Structure):
                 ("attention_share", ctypes.c_float), ("protected_share", ctypes.c_float),
                 ("whole_numbers", ctypes.c_bool), ("rescale_rows", ctypes.c_int32), ("rescale_values", ctypes.c_bool),
                 ("rescale_keys", ctypes.c_bool), ("logits_rows", ctypes.c_int32), ("state_correction", ctypes.c_bool),
-                ("recurrent_chunk", ctypes.c_int32), ("state_update", ctypes.c_int)]
+                ("recurrent_chunk", ctypes.c_int32), ("state_update", ctypes.c_int), ("keep_held_exact", ctypes.c_bool)]
 
 
 # enum llama_ridgefill_state_update: a hybrid's carry updates its states in upstream's fused op, its chunked graph,
@@ -200,7 +200,7 @@ def attach(ctx, maps: LoadedMaps | None) -> None:
 # configure's keywords, in the order it applies them; probe and probe_budget replace each other
 CONFIG_KEYS = ("tail", "fill", "exact_rows", "exact_random", "chunk", "min_prefix", "logits_rows", "probe",
                "probe_budget", "random_budget", "protected", "rescale", "whole_numbers", "blind", "attention",
-               "state_correction", "recurrent_chunk", "state_update")
+               "state_correction", "recurrent_chunk", "state_update", "keep_held_exact")
 _REPLACES = {"probe": "probe_budget", "probe_budget": "probe"}
 # what configure has been given per context (by address): each call sets the whole configuration again, since
 # llama_ridgefill_set_params turns the research controls off
@@ -213,7 +213,8 @@ def _ctx_key(ctx) -> int:
 
 def configure(ctx, **kw) -> None:
     """Set prefill parameters on a context with maps attached; a keyword left out (or None) keeps the value it was
-    given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers: as named; state_update
+    given before. tail, chunk, recurrent_chunk, min_prefix, logits_rows, whole_numbers, keep_held_exact (a resumed
+    prefill keeps the held rows that ran exactly before exact): as named; state_update
     (blocked, fused or chunked: a hybrid's carry, STATE_UPDATES); probe_budget (rows, factor), protected (share),
     rescale (rows, values, keys) and attention (query rows, share[, layers]) set the production parameters; fill,
     exact_rows, exact_random (n, seed), probe (rows, fixed count), random_budget (factor, seed) and blind are
@@ -238,7 +239,7 @@ def _apply(ctx, c: dict) -> None:
     for key, field in (("tail", "n_tail"), ("chunk", "chunk"), ("min_prefix", "min_prefix"),
                        ("logits_rows", "logits_rows"), ("whole_numbers", "whole_numbers"),
                        ("protected", "protected_share"), ("state_correction", "state_correction"),
-                       ("recurrent_chunk", "recurrent_chunk")):
+                       ("recurrent_chunk", "recurrent_chunk"), ("keep_held_exact", "keep_held_exact")):
         if key in c:
             setattr(p, field, c[key])
     if "state_update" in c:

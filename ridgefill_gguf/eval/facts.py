@@ -359,16 +359,22 @@ class FactConversations:
 
     def rerank_turn(self, sample: FactSample, tokens: list[int], document: str, r: dict, params_for,
                     first_params_for) -> dict:
-        """The follow-up after the first answer r["pred"], prefilled again (resumed from the held split state) with
-        the first prefill's exact prefix rows listed exact and the arm's selector ranking the rest for the new
-        question (params_for(n) -> params, or None for stock). The first prefill's rows come from r, or from that
-        prefill run again with its own parameters (first_params_for) where a run before this option left them out."""
+        """The follow-up after the first answer r["pred"] as --ridgefill-reuse rerank serves it: prefilled again
+        (resumed from the held split state) with the rows the first prefill ran exactly (its chosen prefix rows and
+        its tail) listed exact, the arm's selector ranking the rest for the new question (params_for(n) -> params,
+        or None for stock); the engine's keep_held_exact gives the same bytes (tests/test_engine_resume.py). The
+        first prefill's rows come from r, or from that prefill run again with its own parameters (first_params_for)
+        where a run before this option left them out."""
         tokens2 = self.follow_up_tokens(sample, document, r["pred"])
         params = params_for(len(tokens2))
         if params is None:
             return {"pred_follow_up_rerank": r["pred_follow_up"], "score_follow_up_rerank": r["score_follow_up"]}
-        kept = rows_of(r["exact_ranges"]) if "exact_ranges" in r else \
-            self.sess.ridgefill(tokens, **first_params_for(len(tokens)))[2]["exact_rows"]
+        if "exact_ranges" in r:
+            prefix, n_tail = rows_of(r["exact_ranges"]), r["stats"]["n_tail"]
+        else:
+            st = self.sess.ridgefill(tokens, **first_params_for(len(tokens)))[2]
+            prefix, n_tail = st["exact_rows"], st["n_tail"]
+        kept = prefix + list(range(len(tokens) - 1 - n_tail, len(tokens) - 1))
         logits, _, st = self.sess.ridgefill_resumed(tokens2, **{**params, "exact_rows": kept})
         pred = self.sess.detokenize(self.sess.greedy(logits, len(tokens2), MAX_NEW))
         return {"pred_follow_up_rerank": pred, "kept_exact": len(kept),

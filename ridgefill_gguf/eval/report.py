@@ -271,7 +271,8 @@ def facts_table(runs: list[dict]) -> list[str]:
         return []
     lines = ["Facts asked in other words (eval facts), samples whose asked fact lies before the tail: exact %, Δ vs "
              "exact (paired, 95% interval, resampled within domains) and the lower bound against the margin; "
-             "follow_up over the reused cache, follow_up_exact_only as --ridgefill-reuse exact-only serves it:", "",
+             "follow_up over the reused cache, follow_up_exact_only as --ridgefill-reuse exact-only serves it, "
+             "follow_up_rerank as --ridgefill-reuse rerank does:", "",
              "| split | tail | question | samples | exact | arm | Δ vs exact | lower bound (floor) | "
              f"within {100 * MARGIN:.0f} points | run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in sorted(runs, key=lambda x: (x["tail"], x["split"])):
