@@ -173,7 +173,7 @@ def test_a_hybrid_holds_rows_only_up_to_where_its_states_were_kept_since_its_sta
 
 
 KEEP_SCRIPT = COMMON + r'''# keep_held_exact: the first prefill's exact rows (its chosen prefix rows and its tail) stay exact in the resumed
-# one, which is the resumed prefill with those rows listed exact (the research control the study emulated it with)
+# one, which is the resumed prefill with those rows listed exact (the research control eval facts lists them with)
 _, _, st_first = S.ridgefill(first, **p)
 tail0 = len(first) - 1 - st_first["n_tail"]
 listed = sorted(set(st_first["exact_rows"]) | set(range(tail0, len(first) - 1)))

@@ -601,8 +601,8 @@ def markdown(result: dict) -> str:
              "before the tail; Δ = arm minus exact, paired [95% bootstrap interval]. The follow-up asks another fact "
              "over the cache the first answer left; follow_up_exact_only asks it as llama-server's --ridgefill-reuse "
              "exact-only serves it, a fresh RidgeFill prefill of the conversation; follow_up_rerank prefills it "
-             "again keeping the first prefill's exact rows exact and ranking the rest for the new question (a "
-             "re-ranking follow-up, emulated). Fact rows: what kept the asked "
+             "again keeping the first prefill's exact rows exact and ranking the rest for the new question, as "
+             "--ridgefill-reuse rerank serves it. Fact rows: what kept the asked "
              "fact's rows exact in the prefill the answer read (tail / special / lexical net / whole number completed / "
              "digit, probe or whole number, in runs before API 22 / the selector's ranking / filled).", "",
              "Lost / won: the samples exact answered and the arm did not / the other way, where any of the asked "

@@ -10,7 +10,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 chunks="$repo/.cache/device/chunks"
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
-piece_mib=${PIECE_MIB:-44}  # with the tracked tree (about 17 MB) under the 64 MiB a call carries
+piece_mib=${PIECE_MIB:-36}  # with the tracked tree (about 25 MB) under the 64 MiB a call carries
 
 case "${1:-}" in
 split)
