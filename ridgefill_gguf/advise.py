@@ -208,7 +208,9 @@ def measured_speeds(bench: dict) -> dict[tuple[str, float | None], dict]:
     for s in bench.get("selectors") or []:
         name, _, budget = s["selector"].partition("@")
         if name == "probe":
-            out[("ridge+probe", float(budget) if budget else 1.0)] = {
+            # the factor the bench recorded (the server's default for a bare "probe"), else the one it named
+            factor = s.get("budget_factor") or (float(budget) if budget else 1.0)
+            out[("ridge+probe", float(factor))] = {
                 "tokens": row["tokens"], "speedup": s["speedup_vs_exact"], "share_of_ceiling": s["share_of_ceiling"],
                 "exact_share": s["selected"] / s["prefix"], "probe_rows": s["probe_rows"], "ms": s["median_ms"],
                 "stock_ms": row["median_exact_ms"]}
@@ -289,7 +291,7 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
     if matched is None:
         log(f"advise: no committed quality for {sig['file']} ({sig['name']}, {sig['arch']}, {sig['n_layer']} "
             "layers): the speeds below are measured, the quality is not; measure it with eval needles and eval facts")
-    selectors = ("probe",) + tuple(f"probe@{b:g}" for b in committed_budgets(entries + fact_entries) if b != 1.0)
+    selectors = tuple(f"probe@{b:g}" for b in committed_budgets(entries + fact_entries))
     measure = measure or (lambda m, t: run_bench(
         model, m, [measure_tokens], tail=t, repeats=1, selectors=selectors, threads=threads,
         n_gpu_layers=n_gpu_layers, out_dir=out_dir / "bench", label=f"{Path(m).stem}-T{t}", log=log))

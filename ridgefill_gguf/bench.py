@@ -503,7 +503,9 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
     log(f"bench: {placement} {n} tokens, {selector}: {med:.0f} ms, {st['selected']} rows selected")
     c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
                         n_probe=st.get("probe_rows", 0), n_fill_skipped=st.get("fill_skipped", 0))
-    return {"placement": placement, "tokens": n, "selector": selector, "budget_factor": request.get("ridgefill_budget"),
+    # the factor it ran at: the request's, else the server's default (its /props)
+    factor = request.get("ridgefill_budget", (srv.get("/props").get("ridgefill") or {}).get("budget"))
+    return {"placement": placement, "tokens": n, "selector": selector, "budget_factor": factor,
             "ms": ms, "median_ms": med,
             "speedup_vs_exact": base["median_exact_ms"] / med, "vs_plain": base["median_ridgefill_ms"] / med,
             "ceiling_macs": c_mac, "share_of_ceiling": base["median_exact_ms"] / med / c_mac,

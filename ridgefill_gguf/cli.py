@@ -378,7 +378,7 @@ def corpus(folder: Path | None) -> None:
               show_default=True, help="prefix rows that run exactly besides the tail (docs/engine.md)")
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
               "exact (default: the selector's own; the probe counts by the budget)")
-@click.option("--budget", type=click.FloatRange(0), default=None, help="the probe's budget factor (default 1.0)")
+@click.option("--budget", type=click.FloatRange(0), default=None, help="the probe's budget factor (default: llama-server's, 1.5)")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
               help=f"context size (default: the model's, at most {32768})")
 @click.option("--host", default="127.0.0.1", show_default=True)

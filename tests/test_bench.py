@@ -223,15 +223,16 @@ def test_the_bench_times_selectors_and_the_exact_row_line_beside_plain_ridgefill
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=4)
     maps = write_random_maps(model, 1, tmp_path / "maps.gguf")
     r = run_bench(model, maps, [500], tail=64, repeats=1, threads=2, out_dir=tmp_path / "out", label="sel",
-                  min_prefix=0, selectors=("probe", "random", "probe@2"), exact_shares=(0.25, 0.5),
+                  min_prefix=0, selectors=("probe@1", "random@1", "probe@2", "probe"), exact_shares=(0.25, 0.5),
                   log=lambda s: None)
-    probe, rand, doubled = r["selectors"]
-    assert probe["selector"] == "probe" and rand["selector"] == "random"
+    probe, rand, doubled, default = r["selectors"]
+    assert probe["selector"] == "probe@1" and rand["selector"] == "random@1"
     # the tiny prompt's budget: its digit tokens (no table, no layer 3/7/11/15 below split 1); random matches it
     assert probe["budget"] == rand["budget"] == rand["selected"] > 0 and probe["prefix"] == 436
-    # a budget factor per request: twice the rows the base rules count
-    assert doubled["budget_factor"] == 2.0 and probe["budget_factor"] is None
-    assert doubled["budget"] == 2 * probe["budget"]
+    # a budget factor per request: twice the rows the base rules count; a bare selector runs at the server's
+    # default, which the bench reads from /props
+    assert doubled["budget_factor"] == 2.0 and probe["budget_factor"] == 1.0 and default["budget_factor"] == 1.5
+    assert doubled["budget"] == 2 * probe["budget"] and probe["budget"] < default["budget"] < doubled["budget"]
     (line,) = r["exact_rows_line"]
     assert [p["exact_rows"] for p in line["points"]] == [0, 109, 218]
     assert line["tail_row_ms"] > 0 and line["kappa"] is not None

@@ -584,3 +584,31 @@ def test_the_protected_selector_is_refused_by_name_when_the_maps_have_no_frequen
     runs = [{"name": "sel", "params": {"fill": "ridge", "tail": SELECTOR_TAIL, "min_prefix": 0, "protected": 0.25}}]
     with pytest.raises(AssertionError, match=r"no token frequency table \(rf_token_freq\).*ridgefill-gguf unigrams"):
         run_engine(model, maps, runs, tmp_path=tmp_path)
+
+
+LARGER_BUDGET_SCRIPT = r'''
+import json, sys
+import numpy as np
+from ridgefill_gguf.engine.session import Session
+
+cfg = json.loads(sys.argv[1])
+S = Session(cfg["model"], n_ctx=1024, n_batch=64, n_ubatch=32, n_threads=2, maps=cfg["maps"])
+rng = np.random.default_rng(3)
+prompt = [int(t) for t in rng.integers(1000, 5000, 400)]
+rows = {}
+for factor in (1.0, 1.5, 2.0):
+    st = S.ridgefill(prompt, tail=40, fill="ridge", chunk=48, min_prefix=0, probe_budget=[16, factor])[2]
+    rows[str(factor)] = st["exact_rows"]
+print("RESULT " + json.dumps(rows))
+'''
+
+
+def test_a_larger_budget_keeps_every_row_the_default_budget_kept_and_more(tmp_path):
+    require_builds("ridgefill")
+    from ridgefill_gguf.maps.synthetic import tiny_model_with_maps
+    from test_engine_steps import run_script
+
+    model, maps = tiny_model_with_maps(tmp_path, "llama", n_layer=4, split=1)
+    rows = run_script(LARGER_BUDGET_SCRIPT, {"model": str(model), "maps": str(maps)})
+    one, one_half, two = (set(rows[k]) for k in ("1.0", "1.5", "2.0"))
+    assert one < one_half < two  # the probe ranks the same scores and takes more of them

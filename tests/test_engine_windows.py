@@ -354,7 +354,7 @@ def test_a_one_window_cache_restores_checkpoints_of_approximated_cells_only_for_
     later = PROMPT + "Then the story turned to rivers, mountains and the long roads between them. " * 30
     other = PROMPT + "Then the story turned to deserts instead. " * 20  # leaves `later` before its ring's cells
     ask = dict(n_predict=4, n_probs=5, cache_prompt=True)
-    extra = ("-b", "64", "-ub", "32", "-fa", "off", "--metrics", "--ridgefill-select", "none")
+    extra = ("-b", "64", "-ub", "32", "-fa", "off", "--metrics", "--ridgefill-select", "none", "--ridgefill-reuse", "any")
     with Server(model, maps, tail=64, min_prefix=0, threads=2, swa_full=False, extra=extra,
                 log_path=tmp_path / "checkpoints.log") as srv:
         fresh = srv.complete(other, n_predict=4, n_probs=5, ridgefill=False)

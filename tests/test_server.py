@@ -95,7 +95,7 @@ def test_the_exact_row_selector_is_set_per_server_and_per_request(model_and_maps
 def test_the_probe_counts_its_rows_by_the_budget_and_random_rows_match_that_count(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
-    extra = ("--ridgefill-select", "probe", "--ridgefill-probe-rows", "32")
+    extra = ("--ridgefill-select", "probe", "--ridgefill-probe-rows", "32", "--ridgefill-budget", "1")
     with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, research=True,
                 log_path=d / "budget.log") as srv:
         probe = srv.complete("In 2024, 42 of 97 said so. " + PROMPT, n_predict=2)["timings"]["ridgefill"]
@@ -319,7 +319,8 @@ def test_a_stock_request_never_reuses_the_cells_a_ridgefill_request_approximated
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
     log = d / "reuse.log"
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=log) as srv:
+    any_reuse = ("--ridgefill-reuse", "any")  # RidgeFill requests may reuse approximated cells (not the default)
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=any_reuse, log_path=log) as srv:
         fresh = srv.complete(PROMPT, n_predict=4, ridgefill=False, n_probs=5)
         approx = srv.complete(PROMPT, n_predict=4, n_probs=5)
         follow_up = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True)
@@ -353,7 +354,8 @@ def test_the_exact_only_policy_keeps_ridgefill_requests_off_approximated_cells_a
         model_and_maps):
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("--metrics",), log_path=d / "any.log") as srv:
+    extra = ("--metrics", "--ridgefill-reuse", "any")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "any.log") as srv:
         srv.complete(PROMPT, n_predict=4)
         allowed = srv.complete(PROMPT, n_predict=4, cache_prompt=True)
         srv.complete(PROMPT, n_predict=4)
@@ -473,7 +475,7 @@ def test_cache_reuse_by_shifting_moves_the_mark_of_the_approximated_cells_with_t
     a = " ".join(sentences) + " " + " ".join(sentences)
     a_cut = " ".join(sentences[:4] + sentences[5:]) + " " + " ".join(sentences)
     b = " The RidgeFill part follows the exact prefix and is approximated." * 20
-    extra = ("--cache-reuse", "8", "--ridgefill-select", "none")
+    extra = ("--cache-reuse", "8", "--ridgefill-select", "none", "--ridgefill-reuse", "any")
     with Server(model, maps, tail=32, min_prefix=0, threads=2, extra=extra, log_path=d / "shift.log") as srv:
         tok = lambda text: srv.post("/tokenize", {"content": text, "add_special": True})["tokens"]  # noqa: E731
         srv.complete(a, n_predict=1, ridgefill=False, cache_prompt=True)
@@ -547,7 +549,8 @@ def test_a_hybrid_restores_checkpoints_of_approximated_state_only_for_requests_t
     require_builds("ridgefill")
     model, maps, d = hybrid_and_maps
     log = d / "checkpoints.log"
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("--metrics",), log_path=log) as srv:
+    extra = ("--metrics", "--ridgefill-reuse", "any")
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=log) as srv:
         fresh = srv.complete(PROMPT, n_predict=4, ridgefill=False, n_probs=5)
         approx = srv.complete(PROMPT, n_predict=4, n_probs=5)
         follow_up = srv.complete(PROMPT, n_predict=4, n_probs=5, cache_prompt=True)

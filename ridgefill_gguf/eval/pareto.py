@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..util import save_figure, write_atomic
 
-SERVER_BUDGET = 1.0  # a bench row without budget_factor ran at the server's budget, the default 1
+SERVER_BUDGET = 1.0  # a bench row without budget_factor (made before bench read it from /props) ran at 1
 
 
 def speed_points(bench: dict) -> dict[tuple, dict[int, float]]:
