@@ -325,10 +325,11 @@ def verdict(q: dict | None, margin: float) -> str:
 
 
 def flags(c: dict) -> str:
-    """The llama-server flags that serve a candidate (the maps file carries the split)."""
-    budget = f" --ridgefill-budget {c['budget']:g}" if c.get("budget") not in (None, 1.0) else ""
-    reuse = f" --ridgefill-reuse {c['reuse']}" if c.get("reuse") in RESUMED else ""
-    return f"--ridgefill-tail {c['tail']} --ridgefill-select {ARMS[c['arm']] or 'none'}{budget}{reuse}"
+    """The llama-server flags that serve a candidate (the maps file carries the split), each named even where it is
+    the server's default, since the defaults have changed before."""
+    budget = f" --ridgefill-budget {c['budget']:g}" if c.get("budget") is not None else ""
+    return (f"--ridgefill-tail {c['tail']} --ridgefill-select {ARMS[c['arm']] or 'none'}{budget} "
+            f"--ridgefill-reuse {c.get('reuse', 'any')}")
 
 
 def facts_said(c: dict) -> str:

@@ -68,7 +68,7 @@ def test_advise_takes_the_fastest_configuration_whose_committed_bound_holds_the_
     assert picks["few"]["arm"] == "ridge+probe" and picks["clear"] is None and picks["many"] is None
     assert "too few to test" in (tmp_path / "few" / "advice.md").read_text()
     md = (tmp_path / "out-0.02" / "advice.md").read_text()
-    assert "--ridgefill-tail 64 --ridgefill-select probe" in md
+    assert "--ridgefill-tail 64 --ridgefill-select probe --ridgefill-budget 1 --ridgefill-reuse any" in md
     assert json.loads((tmp_path / "out-0.5" / "advice.json").read_text())["choice"]["arm"] == "ridge"
 
 
