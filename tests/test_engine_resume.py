@@ -195,9 +195,11 @@ print("RESULT " + json.dumps(res))
 '''
 
 
-def test_a_resumed_prefill_that_keeps_the_held_exact_rows_is_the_resume_with_those_rows_listed_exact(tmp_path):
+@pytest.mark.parametrize("arch,n_layer,split", [("llama", 4, 1), ("qwen35", 8, 2)])
+def test_a_resumed_prefill_that_keeps_the_held_exact_rows_is_the_resume_with_those_rows_listed_exact(
+        tmp_path, arch, n_layer, split):
     require_builds("ridgefill")
-    model, maps = tiny_model_with_maps(tmp_path, "llama", n_layer=4, split=1)
+    model, maps = tiny_model_with_maps(tmp_path, arch, n_layer=n_layer, split=split)
     res = run_script(KEEP_SCRIPT, {"model": str(model), "maps": str(maps), "params": PARAMS})
     assert res["held_kept"] == 256
     assert res["kept_identical_to_listed"] and res["kept_rows_equal"] and res["first_exact_kept"]
