@@ -55,7 +55,7 @@ def main() -> None:
     doc = sess.tokenize(text, special=False)[:a.tokens]
     first = doc + sess.tokenize(QUESTION1, special=False)
     conv = first + sess.tokenize(FOLLOW_UP * a.follow_up_repeat, special=False)
-    # the default selector (configure keeps what it was given: each arm says whether it keeps the held exact rows)
+    # the probe at --budget (configure keeps what it was given: each arm says whether it keeps the held exact rows)
     params = {"fill": "ridge", "tail": a.tail, "probe_budget": (256, a.budget), "keep_held_exact": False}
 
     arms = ("stock", "exact_only_fresh", "exact_only_resumed", "rerank_resumed", "reuse")
