@@ -101,11 +101,17 @@ for inst in $instruments; do
     facts)
         # SmolLM2 and Qwen answer about two thirds of these facts exactly, and a 2-point bound on a paired
         # difference needs a few hundred filled-region samples
-        out="$study/facts-$which-S$mid-T1024${TAG:+-$TAG}"
-        facts=(facts "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail 1024
+        # FACT_TAIL and PROBE_ROWS: the sweep's other settings; EXACT_FROM: a committed results.jsonl of the same
+        # prompts whose exact answers a new tagged folder starts from (the exact arm depends on no setting)
+        out="$study/facts-$which-S$mid-T${FACT_TAIL:-1024}${TAG:+-$TAG}"
+        facts=(facts "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "${FACT_TAIL:-1024}"
                --lengths "${FACT_LENGTHS:-$fact_lengths}" --samples "${SAMPLES:-$fact_samples}" --out "$out" -ngl 99
                --arms "${ARMS:-ridge,ridge+probe,ridge+random:probe,ridge+blind-probe,ridge+protected}"
-               --exact-only-follow-up ${RERANK:+--rerank-follow-up} ${BUDGET:+--budget "$BUDGET"})
+               --exact-only-follow-up ${RERANK:+--rerank-follow-up} ${BUDGET:+--budget "$BUDGET"}
+               ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"})
+        if [ -n "${EXACT_FROM:-}" ] && [ ! -f "$out/results.jsonl" ]; then
+            mkdir -p "$out" && grep '"arm": "exact"' "$repo/$EXACT_FROM" > "$out/results.jsonl"
+        fi
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
@@ -114,6 +120,14 @@ for inst in $instruments; do
             wait
         fi
         RESERVE=5 step "${facts[@]}" ;;
+    nll-sweep)
+        # issue 22's sweep, key-token loss: at the middle split, ARMS at BUDGET, PROBE_ROWS and FACT_TAIL, in a
+        # folder per TAG; several side by side (&) share the GPU
+        t=${FACT_TAIL:-1024}
+        step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "$t" --min-tokens 3072 \
+            --max-tokens "${NLL_MAX_TOKENS:-$doc_max}" --max-docs "${MAX_DOCS:-12}" --score 512 -ngl 99 --arms "${ARMS:-ridge,ridge+probe}" \
+            ${BUDGET:+--budget "$BUDGET"} ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"} \
+            --out "$study/nll-sweep-$which-S$mid-T$t${TAG:+-$TAG}" ;;
     setup) ;;  # only the copies above (study-parallel.sh makes them once before its runs start)
     nll|agreement)
         for s in $splits; do for t in $tails; do
