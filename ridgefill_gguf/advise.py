@@ -34,6 +34,7 @@ class Candidate:
     reuse: str = "any"            # how a follow-up is served: over the reused cache, or prefilled again (RESUMED)
     quality: dict | None = None   # needles: n, mean, bound, floor (fractions), run
     facts: dict = field(default_factory=dict)  # eval facts per question: the same fields
+    loss: dict | None = None      # eval nll: the key tokens' ΔNLL against exact (shown, not chosen on)
     speed: dict | None = None     # measured here and carried to the served length
     notes: list[str] = field(default_factory=list)
 
@@ -73,20 +74,36 @@ def condensed_test(t: dict) -> dict:
             "bound": round(t["bound"], 6), "floor": round(t["floor"], 6)}
 
 
+def condensed_loss(measures: dict) -> dict:
+    """An arm's loss against exact, condensed: documents, and the key tokens' mean ΔNLL and its 95% interval (nats
+    per token; above zero is worse), beside all tokens' mean."""
+    key = measures["key"]
+    return {"n": key["n"], "mean": round(key["mean"], 6), "lo": round(key["lo"], 6), "hi": round(key["hi"], 6),
+            "all_mean": round(measures["all"]["mean"], 6)}
+
+
 def run_folder(path: str, roots: list[Path]) -> Path:
     """A run's folder as a study names it, under the first root that has it."""
     return next((r / path for r in roots if (r / path).exists()), roots[0] / path)
 
 
 def curves_from_reports(reports: list[Path], root: Path, signatures: dict[str, dict]) -> dict:
-    """{model file: {"signature": ..., "needles": [entry], "facts": [entry]}} from eval report study.json files; an
-    entry is one (split, tail, arm) of one run (and a question, for facts): its non-inferiority test, with the
-    probe's settings read from the run (its path from root, or from beside the study)."""
+    """{model file: {"signature": ..., "needles": [entry], "facts": [entry], "nll": [entry]}} from eval report
+    study.json files; an entry is one (split, tail, arm) of one run (and a question, for facts): its non-inferiority
+    test, or for nll its key-token loss, with the probe's settings read from the run (its path from root, or from
+    beside the study)."""
     out: dict = {}
     for report in reports:
         roots = [root, Path(report).resolve().parent.parent]
         for model, study in json.loads(Path(report).read_text()).items():
-            m = out.setdefault(model, {"signature": signatures.get(model), "needles": [], "facts": []})
+            m = out.setdefault(model, {"signature": signatures.get(model), "needles": [], "facts": [], "nll": []})
+            for run in study.get("nll", []):
+                sel = run.get("selectors")
+                settings = probe_fields(sel) if sel else run_settings(run_folder(run["path"], roots))[0]
+                for arm, measures in sorted(run["summary"].items()):
+                    m["nll"].append({"split": run["split"], "tail": run["tail"], "arm": arm,
+                                     "probe": settings if ARMS.get(arm) else None, **condensed_loss(measures),
+                                     "run": run["path"]})
             for run in study.get("needles", []):
                 settings, tasks = run_settings(run_folder(run["path"], roots))
                 for arm, ni in sorted(run.get("noninferiority", {}).items()):
@@ -101,7 +118,7 @@ def curves_from_reports(reports: list[Path], root: Path, signatures: dict[str, d
                                            "probe": settings if ARMS.get(arm) else None, "lengths": run["lengths"],
                                            **condensed_test(t), "run": run["path"]})
     for m in out.values():
-        for kind in ("needles", "facts"):
+        for kind in ("needles", "facts", "nll"):
             m[kind].sort(key=lambda e: (e["split"], e["tail"], e["arm"], e.get("turn", ""), e["run"]))
     return out
 
@@ -117,15 +134,15 @@ def curves_of_file(path: Path) -> dict:
     return data["models"] if "models" in data else curves_from_reports([Path(path)], Path.cwd(), {})
 
 
-def curves_for(curves: dict, sig: dict) -> tuple[str | None, list[dict], list[dict]]:
-    """The committed needles and facts entries of the model with this signature: matched by shape and name, or by
-    file name."""
+def curves_for(curves: dict, sig: dict) -> tuple[str | None, list[dict], list[dict], list[dict]]:
+    """The committed needles, facts and nll entries of the model with this signature: matched by shape and name, or
+    by file name."""
     for model, c in curves.items():
         s = c.get("signature") or {}
         same_shape = s and all(s.get(k) == sig[k] for k in ("arch", "n_layer", "n_embd", "name"))
         if same_shape or model == sig["file"]:
-            return model, c["needles"], c.get("facts", [])
-    return None, [], []
+            return model, c["needles"], c.get("facts", []), c.get("nll", [])
+    return None, [], [], []
 
 
 def default_like(e: dict, free: tuple[str, ...] = ()) -> bool:
@@ -253,12 +270,13 @@ def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None
 
 
 def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries: list[dict],
-                  fact_entries: list[dict]) -> list[Candidate]:
+                  fact_entries: list[dict], nll_entries: list[dict] = ()) -> list[Candidate]:
     """One measured configuration as served: its follow-ups over the reused cache, and (for the probe, where a run
     measured it) prefilled again for the new question."""
     facts = facts_of(fact_entries, split, tail, arm, budget)
     policies = ("any",) + tuple(p for p in RESUMED if ARMS[arm] and FOLLOW_UP_OF[p] in facts)
-    out = [Candidate(split, tail, arm, budget, reuse, needles_at(entries, split, tail, arm, budget), facts)
+    loss = quality_of(list(nll_entries), split, tail, arm, budget=budget or 1.0)
+    out = [Candidate(split, tail, arm, budget, reuse, needles_at(entries, split, tail, arm, budget), facts, loss)
            for reuse in policies]
     for c in out:
         if c.quality is None:
@@ -287,7 +305,7 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
     out_dir = Path(out_dir)
     sig = signature(model)
     shape = ModelShape.from_gguf(model)
-    matched, entries, fact_entries = curves_for(curves, sig)
+    matched, entries, fact_entries, nll_entries = curves_for(curves, sig)
     if matched is None:
         log(f"advise: no committed quality for {sig['file']} ({sig['name']}, {sig['arch']}, {sig['n_layer']} "
             "layers): the speeds below are measured, the quality is not; measure it with eval needles and eval facts")
@@ -302,7 +320,7 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
             log(f"advise: measuring split {split}, tail {tail} at {measure_tokens} tokens")
             for (arm, budget), sp in measured_speeds(measure(m, tail)).items():
                 speed = {"measured": sp, "at_tokens": carried_speed(shape, split, tail, tokens, sp)}
-                for c in candidates_of(split, tail, arm, budget, entries, fact_entries):
+                for c in candidates_of(split, tail, arm, budget, entries, fact_entries, nll_entries):
                     c.speed = speed
                     candidates.append(c)
     best, why_none = choose(candidates, margin)
@@ -318,6 +336,10 @@ def advise(model, maps: list, *, tokens: int, margin: float, tails: tuple[int, .
 
 def bound_cell(q: dict | None) -> str:
     return "not measured" if q is None else f"{100 * q['mean']:+.1f} ({100 * q['bound']:+.1f}), {q['n']}"
+
+
+def loss_cell(q: dict | None) -> str:
+    return "not measured" if q is None else f"{q['mean']:+.3f} ({q['hi']:+.3f}), {q['n']}"
 
 
 def verdict(q: dict | None, margin: float) -> str:
@@ -337,7 +359,10 @@ def facts_said(c: dict) -> str:
     said = [f"{name} {100 * q['mean']:+.1f} (bound {100 * q['bound']:+.1f})"
             for name, t in (("first question", "first"), ("follow-up", FOLLOW_UP_OF[c.get("reuse", "any")]))
             if (q := c["facts"].get(t))]
-    return "; facts asked in other words: " + ", ".join(said) if said else ""
+    loss = c.get("loss")
+    return ("; facts asked in other words: " + ", ".join(said) if said else "") + (
+        f"; key tokens' loss {loss['mean']:+.3f} nats per token (95% upper {loss['hi']:+.3f}) in `{loss['run']}`"
+        if loss else "")
 
 
 def markdown(r: dict) -> str:
@@ -354,11 +379,13 @@ def markdown(r: dict) -> str:
              "Follow-ups `any` reuse the cache the first request left; `exact-only` prefills the conversation "
              "again for the new question, resumed from the held split state (`--ridgefill-reuse exact-only`); "
              "`rerank` does too and keeps exact the rows the first prefill ran exactly (`--ridgefill-reuse rerank`). "
-             "Facts in other words: the first question and the follow-up that policy serves.", "",
+             "Facts in other words: the first question and the follow-up that policy serves. Key-token ΔNLL: eval "
+             "nll's loss on the key tokens of held-out documents against exact (nats per token), shown beside: the "
+             "margin is in retrieval points.", "",
              "| split | tail | arm | budget | follow-ups | measured speedup | MAC ceiling share | estimated speedup at "
              "length | needles: retrieval Δ (bound), samples | within margin | facts in other words: first / "
-             "follow-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "follow-up | key-token ΔNLL (95% upper), documents |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["candidates"]:
         q, sp = c["quality"], c["speed"]
         served = ("first", FOLLOW_UP_OF[c.get("reuse", "any")])
@@ -368,7 +395,7 @@ def markdown(r: dict) -> str:
                      f"{bound_cell(q)}{' (budget 1)' if q and q.get('from_budget') else ''} | "
                      f"{verdict(q, r['margin'])} | " +
                      " / ".join(bound_cell(c["facts"].get(t)) + f" {verdict(c['facts'].get(t), r['margin'])}"
-                                for t in served) + " |")
+                                for t in served) + f" | {loss_cell(c.get('loss'))} |")
     ch = r["choice"]
     lines += ["", "**Advice:** " + (
         f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "

@@ -183,3 +183,27 @@ def test_advise_names_the_rerank_policy_where_only_the_follow_up_that_keeps_the_
     # where every policy holds, the one whose follow-ups cost least: over the reused cache
     assert loose["choice"]["reuse"] == "any"
     assert {c["reuse"] for c in tight["candidates"] if c["arm"] == "ridge+probe"} == {"any", "exact-only", "rerank"}
+
+
+def test_advise_shows_the_committed_key_token_loss_beside_each_configuration_without_choosing_on_it(tmp_path):
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    needles = [entry(1, 64, "ridge", -0.40), entry(1, 64, "ridge+probe", -0.015)]
+    nll = [{"split": 1, "tail": 64, "arm": "ridge+probe", "probe": A.DEFAULT_PROBE, "n": 12, "mean": 0.144,
+            "lo": 0.01, "hi": 0.345, "all_mean": 0.017, "run": "nll-run"}]
+    r = A.advise(model, [maps], tokens=8192, margin=0.02, tails=(64,), measure_tokens=1024,
+                 curves={model.name: {"signature": None, "needles": needles, "nll": nll}}, out_dir=tmp_path / "out",
+                 measure=lambda m, t: bench_like(1.9, 1.4), log=print)
+    loss = {c["arm"]: c["loss"] for c in r["candidates"]}
+    assert loss["ridge"] is None and loss["ridge+probe"]["mean"] == 0.144
+    md = (tmp_path / "out" / "advice.md").read_text()
+    assert "| +0.144 (+0.345), 12 |" in md and "| not measured |" in md
+    assert "key tokens' loss +0.144 nats per token (95% upper +0.345) in `nll-run`" in md
+
+
+def test_the_packaged_curves_hold_the_key_token_loss_of_the_committed_nll_runs_with_their_probe_settings():
+    qwen = A.load_curves()["models"]["qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]["nll"]
+    probe = A.quality_of(qwen, 12, 1024, "ridge+probe")
+    plain = A.quality_of(qwen, 12, 1024, "ridge")
+    assert probe["probe"]["budget"] == 1.0 and plain["probe"] is None
+    # the default selector loses far less on the key tokens than plain RidgeFill
+    assert 0 < probe["mean"] < plain["mean"]

@@ -60,3 +60,24 @@ def test_a_budget_of_zero_is_its_own_point_and_each_bench_keeps_its_own_panels(t
     assert {(p["probe_rows"], p["budget"]): p["speedup"] for p in first["points"]} == \
         {(0, 0.0): 2.1, (256, 1.0): 1.5, (256, 0.0): 2.0}
     assert (first["speed_from"], second["speed_from"]) == ("a.gguf, split 13", "b.gguf, split 13")
+
+
+def loss(arm: str, budget: float | None, mean: float, hi: float) -> dict:
+    probe = None if budget is None else {**A.DEFAULT_PROBE, "budget": budget}
+    return {"split": 12, "tail": 1024, "arm": arm, "probe": probe, "n": 12, "mean": mean, "lo": mean - 0.1,
+            "hi": hi, "all_mean": mean / 10, "run": f"nll{budget}"}
+
+
+def test_the_key_token_loss_is_a_panel_of_its_own_where_the_lower_loss_is_the_better_one(tmp_path):
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps(bench_result({"plain": 2.1, "probe": 1.5, "probe@1.5": 1.3, "probe@2": 1.35})))
+    curves = {"m.gguf": {"nll": [loss("ridge", None, 1.65, 1.9), loss("ridge+probe", 1.0, 0.14, 0.34),
+                                 loss("ridge+probe", 1.5, 0.20, 0.30), loss("ridge+probe", 2.0, 0.05, 0.09)]}}
+    (panel,) = run_pareto([bench], curves, tmp_path / "out")["panels"]
+    assert panel["measure"] == "key-token ΔNLL"
+    # budget 1.5 is slower than budget 2 and loses more: off the frontier; the larger losses of faster ones are on it
+    assert {(p["budget"], p["frontier"]) for p in panel["points"]} == \
+        {(0.0, True), (1.0, True), (1.5, False), (2.0, True)}
+    assert {p["budget"]: p["bound"] for p in panel["points"]}[2.0] == 0.09  # the interval's upper end
+    assert "| 1024 | probe 256, budget 2 | 1.35x | +0.050 (+0.090) | 12 | * | nll2.0 |" in \
+        (tmp_path / "out" / "pareto.md").read_text()

@@ -2,7 +2,9 @@
 beside plain RidgeFill, at one or more lengths) against quality from an `eval report` study (tagged runs of the
 same settings), joined by configuration: tail, probe rows and budget factor (plain RidgeFill is budget 0). Speed
 and quality may come from different models (the 8B shape's time on the GPU, the small real models' retrieval):
-the join is by settings, and the plot has a panel per quality model and measure."""
+the join is by settings, and the plot has a panel per quality model and measure. Retrieval is in points (higher is
+better, its bound the one-sided 95% lower one); key-token ΔNLL in nats per token (lower is better, its bound the
+95% upper end)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ from pathlib import Path
 from ..util import save_figure, write_atomic
 
 SERVER_BUDGET = 1.0  # a bench row without budget_factor (made before bench read it from /props) ran at 1
+LOSS = "key-token ΔNLL"  # the measure whose lower values are better
 
 
 def speed_points(bench: dict) -> dict[tuple, dict[int, float]]:
@@ -29,13 +32,15 @@ def speed_points(bench: dict) -> dict[tuple, dict[int, float]]:
 
 def quality_points(model_curves: dict) -> dict[tuple, dict[tuple, dict]]:
     """{(tail, probe rows, budget factor): {(split, measure): test entry}} for one model's curves (advise's form):
-    measures "needles", and "facts first" / "facts follow_up" / ... where there are facts runs. Probe runs other than
-    the default in more than budget and probe rows are left out; of several runs, the one with the most samples."""
+    measures "needles", "facts first" / "facts follow_up" / ... where there are facts runs, and the key tokens' loss
+    where there are nll runs (its "bound" the interval's upper end). Probe runs other than the default in more than
+    budget and probe rows are left out; of several runs, the one with the most samples."""
     from ..advise import ARMS, default_like
 
     out: dict[tuple, dict[tuple, dict]] = {}
     entries = [("needles", e) for e in model_curves.get("needles", [])] + \
-              [(f"facts {e['turn']}", e) for e in model_curves.get("facts", [])]
+              [(f"facts {e['turn']}", e) for e in model_curves.get("facts", [])] + \
+              [(LOSS, {**e, "bound": e["hi"]}) for e in model_curves.get("nll", [])]
     for measure, e in entries:
         if e["arm"] not in ARMS or not default_like(e, free=("budget", "probe_rows")):
             continue
@@ -47,12 +52,14 @@ def quality_points(model_curves: dict) -> dict[tuple, dict[tuple, dict]]:
     return out
 
 
-def frontier(points: list[dict]) -> None:
+def frontier(points: list[dict], lower_is_better: bool = False) -> None:
     """Mark each point on the Pareto frontier: no other point is at least as fast and at least as good, and better
     in one (quality: the mean difference from exact)."""
+    sign = -1 if lower_is_better else 1
     for p in points:
-        p["frontier"] = not any(q is not p and q["speedup"] >= p["speedup"] and q["mean"] >= p["mean"]
-                                and (q["speedup"] > p["speedup"] or q["mean"] > p["mean"]) for q in points)
+        p["frontier"] = not any(q is not p and q["speedup"] >= p["speedup"] and sign * q["mean"] >= sign * p["mean"]
+                                and (q["speedup"] > p["speedup"] or sign * q["mean"] > sign * p["mean"])
+                                for q in points)
 
 
 def run_pareto(benches: list[Path], curves: dict, out_dir: Path) -> dict:
@@ -86,7 +93,7 @@ def join(speed: dict[tuple, dict[int, float]], quality: dict[tuple, dict[tuple, 
                     "run": quality[k][(split, measure)]["run"]}
                    for k in sorted(speed) if n in speed[k] and (split, measure) in quality.get(k, {})]
             if len(pts) > 1:
-                frontier(pts)
+                frontier(pts, lower_is_better=measure == LOSS)
                 panels.append({"model": model, "split": split, "measure": measure, "tokens": n,
                                "speed_from": speed_from, "points": pts})
     return panels
@@ -99,15 +106,19 @@ def label(p: dict) -> str:
 def markdown(r: dict) -> str:
     lines = ["# The trade: speed against quality per configuration", "",
              "Speed: time to first token over exact (bench, resident maps); quality: difference from exact, points "
-             "(mean, with the one-sided 95% lower bound), on the filled region. * = on the Pareto frontier.", ""]
+             "(mean, with the one-sided 95% lower bound), on the filled region; key-token ΔNLL: nats per token over "
+             "held-out documents (mean, with the 95% upper end; lower is better). * = on the Pareto frontier.", ""]
     for p in r["panels"]:
+        loss = p["measure"] == LOSS
         lines += [f"## {p['model']}, split {p['split']}: {p['measure']}; speed of {p['speed_from']} at "
                   f"{p['tokens']:,} tokens", "",
-                  "| tail | configuration | speedup | Δ vs exact (bound) | samples | frontier | run |",
+                  f"| tail | configuration | speedup | {'ΔNLL (upper)' if loss else 'Δ vs exact (bound)'} | "
+                  f"{'documents' if loss else 'samples'} | frontier | run |",
                   "|---|---|---|---|---|---|---|"]
         for x in sorted(p["points"], key=lambda x: -x["speedup"]):
-            lines.append(f"| {x['tail']} | {label(x)} | {x['speedup']:.2f}x | {100 * x['mean']:+.1f} "
-                         f"({100 * x['bound']:+.1f}) | {x['n']} | {'*' if x['frontier'] else ''} | {x['run']} |")
+            q = f"{x['mean']:+.3f} ({x['bound']:+.3f})" if loss else f"{100 * x['mean']:+.1f} ({100 * x['bound']:+.1f})"
+            lines.append(f"| {x['tail']} | {label(x)} | {x['speedup']:.2f}x | {q} | {x['n']} | "
+                         f"{'*' if x['frontier'] else ''} | {x['run']} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -125,17 +136,21 @@ def plot(r: dict, path: Path) -> None:
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, p in zip(axes.flat, panels):
+        loss = p["measure"] == LOSS
+        scale = 1 if loss else 100
         for x in p["points"]:
-            ax.errorbar(x["speedup"], 100 * x["mean"], yerr=[[100 * (x["mean"] - x["bound"])], [0]], fmt="o",
+            worst = scale * abs(x["mean"] - x["bound"])
+            ax.errorbar(x["speedup"], scale * x["mean"], yerr=[[0], [worst]] if loss else [[worst], [0]], fmt="o",
                         color="C3" if x["frontier"] else "C0", capsize=3)
-            ax.annotate(label(x), (x["speedup"], 100 * x["mean"]), fontsize=7, xytext=(4, 4),
+            ax.annotate(label(x), (x["speedup"], scale * x["mean"]), fontsize=7, xytext=(4, 4),
                         textcoords="offset points")
         front = sorted((x for x in p["points"] if x["frontier"]), key=lambda x: x["speedup"])
-        ax.plot([x["speedup"] for x in front], [100 * x["mean"] for x in front], color="C3", lw=0.8)
+        ax.plot([x["speedup"] for x in front], [scale * x["mean"] for x in front], color="C3", lw=0.8)
         ax.axhline(0, color="k", lw=0.6)
-        ax.axhline(-2, color="k", lw=0.6, ls=":")  # the 2-point margin
+        if not loss:
+            ax.axhline(-2, color="k", lw=0.6, ls=":")  # the 2-point margin
         ax.set_xlabel(f"speedup at {p['tokens']:,} tokens")
-        ax.set_ylabel("Δ vs exact (points)")
+        ax.set_ylabel("ΔNLL, key tokens (nats)" if loss else "Δ vs exact (points)")
         ax.set_title(f"{Path(p['model']).stem} S{p['split']}: {p['measure']}", fontsize=9)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)

@@ -50,7 +50,7 @@ def collect(root: str | Path) -> dict:
             summary = (summarize_nll if kind == "nll" else summarize_agreement)(docs, list(r["summary"]))
             runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
                                      "summary": summary, "pairs": document_pairs(kind, docs),
-                                     "path": str(path.parent)})
+                                     "selectors": r["options"].get("selectors"), "path": str(path.parent)})
         elif kind == "needles":
             samples = [Sample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
             answers = load_jsonl(path.parent / "results.jsonl")
