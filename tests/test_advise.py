@@ -202,8 +202,11 @@ def test_advise_shows_the_committed_key_token_loss_beside_each_configuration_wit
 
 def test_the_packaged_curves_hold_the_key_token_loss_of_the_committed_nll_runs_with_their_probe_settings():
     qwen = A.load_curves()["models"]["qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]["nll"]
-    probe = A.quality_of(qwen, 12, 1024, "ridge+probe")
-    plain = A.quality_of(qwen, 12, 1024, "ridge")
-    assert probe["probe"]["budget"] == 1.0 and plain["probe"] is None
-    # the default selector loses far less on the key tokens than plain RidgeFill
+    of_run = {e["arm"]: e for e in qwen if e["run"].endswith("selectors-nll-qwen-S12-T1024")}
+    probe, plain = of_run["ridge+probe"], of_run["ridge"]
+    assert (probe["split"], probe["tail"], probe["n"]) == (12, 1024, 6)
+    # that run predates whole numbers: its settings say so, and so it does not speak for today's default
+    assert probe["probe"]["budget"] == 1.0 and probe["probe"]["whole_numbers"] is False and plain["probe"] is None
+    assert not A.default_like(probe)
+    # the probe loses far less on the key tokens than plain RidgeFill
     assert 0 < probe["mean"] < plain["mean"]
