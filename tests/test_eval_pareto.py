@@ -81,3 +81,25 @@ def test_the_key_token_loss_is_a_panel_of_its_own_where_the_lower_loss_is_the_be
     assert {p["budget"]: p["bound"] for p in panel["points"]}[2.0] == 0.09  # the interval's upper end
     assert "| 1024 | probe 256, budget 2 | 1.35x | +0.050 (+0.090) | 12 | * | nll2.0 |" in \
         (tmp_path / "out" / "pareto.md").read_text()
+
+
+def test_benches_of_one_model_and_split_are_one_sweep_whose_first_named_bench_keeps_a_configuration_both_timed(
+        tmp_path):
+    budgets = {**bench_result({"plain": 2.11, "probe@1": 1.43, "probe@1.5": 1.29}), "model": "/x/8b.gguf", "split": 13}
+    tail512 = {**bench_result({"plain": 2.16, "probe@1.5": 1.31}), "model": "/x/8b.gguf", "split": 13, "tail": 512}
+    rows = {**bench_result({"plain": 2.09, "probe@1.5": 1.20}), "model": "/x/8b.gguf", "split": 13}
+    rows["selectors"][0]["probe_rows"] = 1024
+    paths = []
+    for name, b in (("budgets", budgets), ("tail512", tail512), ("rows", rows)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(b))
+    curves = {"m.gguf": {"nll": [loss("ridge", None, 1.65, 1.9), loss("ridge+probe", 1.0, 0.14, 0.34),
+                                 loss("ridge+probe", 1.5, 0.10, 0.20), {**loss("ridge", None, 1.5, 1.7), "tail": 512},
+                                 {**loss("ridge+probe", 1.5, 0.12, 0.22), "tail": 512},
+                                 {**loss("ridge+probe", 1.5, 0.08, 0.15), "probe": {**A.DEFAULT_PROBE, "budget": 1.5,
+                                                                                    "probe_rows": 1024}}]}}
+    (panel,) = run_pareto(paths, curves, tmp_path / "out")["panels"]
+    got = {(p["tail"], p["probe_rows"], p["budget"]): p["speedup"] for p in panel["points"]}
+    # plain RidgeFill at tail 1024 from the budgets bench, named first; the other settings from their own benches
+    assert got == {(1024, 0, 0.0): 2.11, (1024, 256, 1.0): 1.43, (1024, 256, 1.5): 1.29, (512, 0, 0.0): 2.16,
+                   (512, 256, 1.5): 1.31, (1024, 1024, 1.5): 1.20}

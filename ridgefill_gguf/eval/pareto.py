@@ -63,13 +63,21 @@ def frontier(points: list[dict], lower_is_better: bool = False) -> None:
 
 
 def run_pareto(benches: list[Path], curves: dict, out_dir: Path) -> dict:
-    """Join every bench with every model's curves; write pareto.json, pareto.md and pareto.png under out_dir."""
-    panels = []
+    """Join every bench with every model's curves; write pareto.json, pareto.md and pareto.png under out_dir.
+    Benches of one model and split are one sweep: their configurations share its panels (each speedup against its
+    own run's exact; of a configuration two benches timed, the first named)."""
+    sweeps: dict[str, dict] = {}
     for b in benches:
         bench = json.loads(Path(b).read_text())
         speed_from = f"{Path(bench.get('model', b)).name}, split {bench.get('split', '?')}"
+        sweep = sweeps.setdefault(speed_from, {})
+        for key, by_tokens in speed_points(bench).items():
+            for n, speedup in by_tokens.items():
+                sweep.setdefault(key, {}).setdefault(n, speedup)
+    panels = []
+    for speed_from, speed in sweeps.items():
         for model, c in curves.items():
-            panels += join(speed_points(bench), quality_points(c), model, speed_from)
+            panels += join(speed, quality_points(c), model, speed_from)
     if not panels:
         raise ValueError("no two configurations have both a speed (bench) and a quality (study) measurement: the "
                          "join is by tail, probe rows and budget factor")

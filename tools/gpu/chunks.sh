@@ -10,11 +10,13 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 chunks="$repo/.cache/device/chunks"
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
-piece_mib=${PIECE_MIB:-36}  # with the tracked tree (about 25 MB) under the 64 MiB a call carries
+# a piece and the tree a call carries with it (tracked and untracked-not-ignored files) stay under 64 MiB, 4 to spare
+tree_bytes() { (cd "$repo" && git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1); }
 
 case "${1:-}" in
 split)
     shift
+    piece_mib=${PIECE_MIB:-$(( (64 * 1048576 - $(tree_bytes) - 4 * 1048576) / 1048576 ))}
     mkdir -p "$chunks"
     for model in "$@"; do
         name=$(basename "$model")
