@@ -157,7 +157,7 @@ def plot(r: dict, path: Path) -> None:
         ax.axhline(0, color="k", lw=0.6)
         if not loss:
             ax.axhline(-2, color="k", lw=0.6, ls=":")  # the 2-point margin
-        ax.set_xlabel(f"speedup at {p['tokens']:,} tokens")
+        ax.set_xlabel(f"speedup at {p['tokens']:,} tokens ({p['speed_from']})", fontsize=8)
         ax.set_ylabel("ΔNLL, key tokens (nats)" if loss else "Δ vs exact (points)")
         ax.set_title(f"{Path(p['model']).stem} S{p['split']}: {p['measure']}", fontsize=9)
     fig.tight_layout()
