@@ -270,12 +270,12 @@ def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None
 
 
 def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries: list[dict],
-                  fact_entries: list[dict], nll_entries: list[dict] = ()) -> list[Candidate]:
+                  fact_entries: list[dict], nll_entries: list[dict]) -> list[Candidate]:
     """One measured configuration as served: its follow-ups over the reused cache, and (for the probe, where a run
     measured it) prefilled again for the new question."""
     facts = facts_of(fact_entries, split, tail, arm, budget)
     policies = ("any",) + tuple(p for p in RESUMED if ARMS[arm] and FOLLOW_UP_OF[p] in facts)
-    loss = quality_of(list(nll_entries), split, tail, arm, budget=budget or 1.0)
+    loss = quality_of(nll_entries, split, tail, arm, budget=budget or 1.0)
     out = [Candidate(split, tail, arm, budget, reuse, needles_at(entries, split, tail, arm, budget), facts, loss)
            for reuse in policies]
     for c in out:

@@ -34,6 +34,10 @@ study="$work/study" && mkdir -p "$study"
 # RESUME_FROM: a committed study folder (it travels with the checkout) whose runs this machine continues
 [ -n "${RESUME_FROM:-}" ] && cp -rn "$repo/$RESUME_FROM/." "$study/"
 start=$SECONDS deadline=${DEADLINE:-570}
+# a tagged folder's first run starts from another run's exact answers of the same prompts (keyed by prompt alone)
+seed_exact() {  # seed_exact FROM_RESULTS_JSONL OUT_DIR
+    [ -f "$2/results.jsonl" ] || { mkdir -p "$2" && grep '"arm": "exact"' "$1" > "$2/results.jsonl"; }
+}
 step() {
     local left=$((deadline - (SECONDS - start) - ${RESERVE:-15})) limit=${STEP_TIMEOUT:-240}
     [ "$left" -lt 20 ] && { echo "eval-study: deadline reached, skipping: $1 ${*: -3}"; return; }
@@ -85,9 +89,7 @@ for inst in $instruments; do
                --samples "${SAMPLES:-$claim_samples}" --out "$out" -ngl 99 --arms "${ARMS:-ridge+probe}"
                ${BUDGET:+--budget "$BUDGET"} ${TASKS:+--tasks "$TASKS"})
         [ "${WHOLE_NUMBERS:-1}" = 0 ] && claim+=(--no-whole-numbers)
-        if [ "$out" != "$base" ] && [ ! -f "$out/results.jsonl" ] && [ -f "$base/results.jsonl" ]; then
-            mkdir -p "$out" && grep '"arm": "exact"' "$base/results.jsonl" > "$out/results.jsonl"
-        fi
+        [ "$out" != "$base" ] && [ -f "$base/results.jsonl" ] && seed_exact "$base/results.jsonl" "$out"
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
@@ -109,9 +111,7 @@ for inst in $instruments; do
                --arms "${ARMS:-ridge,ridge+probe,ridge+random:probe,ridge+blind-probe,ridge+protected}"
                --exact-only-follow-up ${RERANK:+--rerank-follow-up} ${BUDGET:+--budget "$BUDGET"}
                ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"})
-        if [ -n "${EXACT_FROM:-}" ] && [ ! -f "$out/results.jsonl" ]; then
-            mkdir -p "$out" && grep '"arm": "exact"' "$repo/$EXACT_FROM" > "$out/results.jsonl"
-        fi
+        [ -n "${EXACT_FROM:-}" ] && seed_exact "$repo/$EXACT_FROM" "$out"
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do

@@ -20,8 +20,10 @@ for what in "$@"; do
     window) rows=${ROWS:-1024}; facts TAG=budget1.5-rows$rows PROBE_ROWS=$rows ARMS=ridge+probe ;;
     tail) facts TAG=budget1.5 FACT_TAIL=${TAIL_ROWS:-512} ARMS=ridge,ridge+probe ;;
     nll)
-        for s in "ARMS=ridge,ridge+probe" "TAG=budget1.5 BUDGET=1.5" "TAG=budget2 BUDGET=2" \
-                 "TAG=budget1.5-rows1024 BUDGET=1.5 PROBE_ROWS=1024" "TAG=budget1.5-rows64 BUDGET=1.5 PROBE_ROWS=64" \
+        # plain RidgeFill once per tail: the base run (tail 1,024) and the tail-512 run
+        for s in "ARMS=ridge,ridge+probe" "TAG=budget1.5 BUDGET=1.5 ARMS=ridge+probe" "TAG=budget2 BUDGET=2 ARMS=ridge+probe" \
+                 "TAG=budget1.5-rows1024 BUDGET=1.5 PROBE_ROWS=1024 ARMS=ridge+probe" \
+                 "TAG=budget1.5-rows64 BUDGET=1.5 PROBE_ROWS=64 ARMS=ridge+probe" \
                  "TAG=budget1.5 BUDGET=1.5 FACT_TAIL=512 ARMS=ridge,ridge+probe"; do
             # shellcheck disable=SC2086
             env $s THREADS=2 NO_PACK=1 STEP_TIMEOUT=${DEADLINE:-500} $study nll-sweep &
