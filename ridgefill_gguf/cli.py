@@ -623,7 +623,8 @@ def _with_document_options(f, default_arms: str):
         click.option("--tail", default=1024, show_default=True),
         click.option("--min-tokens", default=4096, show_default=True, help="shorter documents are skipped"),
         click.option("--max-tokens", default=8192, show_default=True, help="documents are cut to this many tokens"),
-        click.option("--max-docs", type=int, default=None),
+        click.option("--max-docs", type=int, default=None,
+                     help="at most this many documents, the domains (folders) taken in turn"),
         click.option("-t", "--threads", type=int, default=None),
         click.option("-ngl", "--n-gpu-layers", type=int, default=0),
     ]

@@ -91,6 +91,16 @@ def test_token_nll_is_the_negative_log_softmax_of_the_target():
     assert np.allclose(token_nll(logits, [1, 0]), want)
 
 
+def test_documents_are_taken_across_domains_in_turn_so_max_docs_samples_every_domain(tmp_path):
+    from ridgefill_gguf.eval.documents import across_domains
+    for dom, names in {"chat": ["a", "b", "c"], "code": ["d"], "prose": ["e", "f"]}.items():
+        (tmp_path / dom).mkdir()
+        for n in names:
+            (tmp_path / dom / f"{n}.txt").write_text(n)
+    order = [f.stem for f in across_domains([tmp_path])]
+    assert order == ["a", "d", "e", "b", "f", "c"]
+
+
 def test_eval_nll_scores_documents_resumes_and_plumb_costs_nothing(tmp_path):
     require_builds("ridgefill")
     from ridgefill_gguf.eval.arms import SelectorOptions
@@ -288,7 +298,6 @@ def test_the_none_fill_answers_token_by_token_from_prefills_that_hide_the_filled
     require_builds("ridgefill")
     from ridgefill_gguf import libs
     from ridgefill_gguf.engine.session import Session
-    from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
     from ridgefill_gguf.reference import ReferenceModel
 
     model, maps = _tiny_model_and_maps(tmp_path)

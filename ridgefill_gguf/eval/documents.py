@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..fit.capture import Document, iter_documents
+from ..fit.capture import Document, iter_documents, text_files
 from ..util import write_atomic
 from .arms import SelectorOptions
 from .stats import bootstrap_mean
@@ -64,11 +64,21 @@ def append_jsonl(path: Path, row: dict) -> None:
         os.close(fd)
 
 
+def across_domains(docs: list[str | Path]) -> list[Path]:
+    """The text files with the domains taken in turn (each domain's files in their order), so that max_docs
+    samples every domain rather than the first folders."""
+    by_domain: dict[str, list[Path]] = {}
+    for f in text_files(docs):
+        by_domain.setdefault(domain(str(f)), []).append(f)
+    queues = list(by_domain.values())
+    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+
+
 def long_documents(docs: list[str | Path], tokenize: Callable[[str], list[int]], opts: DocumentOptions,
                    done: dict, log: Callable[[str], None], what: str) -> Iterator[tuple[Document, list[int]]]:
     """(document, its first max_tokens tokens) for each document not done yet and at least min_tokens long,
-    until max_docs are done."""
-    for doc in iter_documents(docs):
+    until max_docs are done, the domains in turn."""
+    for doc in iter_documents(across_domains(docs)):
         if opts.max_docs is not None and len(done) >= opts.max_docs:
             return
         if doc.doc_id in done:

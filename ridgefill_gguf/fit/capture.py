@@ -51,8 +51,8 @@ class DocCapture:
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".c", ".h", ".js", ".tex", ".rst", ".json", ".html", ".cpp", ".rnw"}
 
 
-def iter_documents(paths: list[str | Path]) -> Iterator[Document]:
-    """Text files under the given files and folders, in a stable order; unreadable or empty ones raise."""
+def text_files(paths: list[str | Path]) -> list[Path]:
+    """The text files under the given files and folders, in a stable order."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -63,7 +63,12 @@ def iter_documents(paths: list[str | Path]) -> Iterator[Document]:
             raise FileNotFoundError(f"{p}: no such file or folder")
     if not files:
         raise ValueError(f"no text files in {', '.join(map(str, paths))}")
-    for f in files:
+    return files
+
+
+def iter_documents(paths: list[str | Path]) -> Iterator[Document]:
+    """Text files under the given files and folders, in a stable order; unreadable or empty ones raise."""
+    for f in text_files(paths):
         try:
             text = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
