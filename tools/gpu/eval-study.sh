@@ -2,7 +2,7 @@
 # On the GPU machine: the first quality study of issue 6 (docs/eval.md), after the models arrived
 # (tools/gpu/chunks.sh) and the patched tree is built (RIDGEFILL_GPU_TREES=ridgefill TARGETS="llama ggml"
 # bash tools/gpu/build-and-test.sh --build-only). Carry .cache/device/maps and .cache/device/corpus-eval too.
-#   bash tools/gpu/eval-study.sh smollm2|qwen [needles|nll|agreement|selectors|claim|facts|setup ...]
+#   bash tools/gpu/eval-study.sh smollm2|qwen|gemma3 [needles|nll|agreement|selectors|claim|facts|setup ...]
 # selectors is issue 8's study: at the middle split and T = 1024, the needles with the exact-row arms (at least 50
 # filled-region samples) and the loss on key tokens beside them. facts is issue 22's: facts asked in other words and
 # a follow-up, over the reused cache and as --ridgefill-reuse exact-only serves it, at the middle split and
@@ -21,7 +21,7 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 work=${RIDGEFILL_GPU_WORK:-$HOME/ridgefill}
 export PYTHONPATH="/tmp/site:$repo" PYTHONUNBUFFERED=1 LD_PRELOAD=${LD_PRELOAD:-/lib/x86_64-linux-gnu/libstdc++.so.6}
 export RIDGEFILL_GGUF_BUILD=${RIDGEFILL_GGUF_BUILD:-$work/out-ridgefill}  # the build this machine keeps, whatever links the checkout has
-which=${1:?usage: eval-study.sh smollm2|qwen [instrument...]}; shift
+which=${1:?usage: eval-study.sh smollm2|qwen|gemma3 [instrument...]}; shift
 instruments=${*:-needles nll agreement}
 maps="$work/maps" eval_docs="$work/corpus-eval"
 mkdir -p "$maps" "$eval_docs"
@@ -55,7 +55,12 @@ qwen)
     model="$work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"; splits="9 12 15"; prefix=qwen
     lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6; claim_samples=20
     fact_lengths=4096; fact_samples=400 ;;
-*) echo "eval-study: smollm2 or qwen" >&2; exit 2 ;;
+gemma3)
+    # a base model with sliding-window layers: completion prompts, the windowed cache keeping every row
+    model="$work/models/gemma-3-270m-q4_k_m.gguf"; splits="6 9 12"; prefix=gemma3
+    lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=9; select_samples=6; claim_samples=20
+    fact_lengths=4096; fact_samples=400 ;;
+*) echo "eval-study: smollm2, qwen or gemma3" >&2; exit 2 ;;
 esac
 splits=${SPLITS:-$splits} tails=${TAILS:-$tails} lengths=${LENGTHS:-$lengths}  # subsets when time is short
 maps_args=(); for s in $splits; do maps_args+=(--maps "$maps/$prefix.S$s.gguf"); done
