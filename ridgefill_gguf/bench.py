@@ -323,7 +323,10 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
             with Server(model, maps, tail=tail, placement=where, fill=fill, min_prefix=min_prefix, research=True,
                         log_path=out_dir / f"server-{placement.replace(':', '-')}.log", **common) as srv:
                 commands[placement] = " ".join(srv.command)
-                builds[placement] = srv.get("/props").get("build_info")
+                props = srv.get("/props")
+                builds[placement] = props.get("build_info")
+                # the factor a request without ridgefill_budget runs at
+                default_budget = (props.get("ridgefill") or {}).get("budget")
                 by_n = prompts(srv)
                 # a warm-up pair per server start; its stock request comes before RidgeFill's buffers exist
                 warm, stock_peak = timed(mem, lambda: srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=False))
@@ -372,7 +375,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                         f"{c_layer:.2f}x by layers)")
                     for sel in selectors:
                         sel_rows.append(time_selector(srv, by_n[n], sel, repeats, rows[-1], placement, n, log, shape,
-                                                      split))
+                                                      split, default_budget))
                     if exact_shares:
                         lines.append(time_exact_rows(srv, by_n[n], exact_shares, repeats, rows[-1], placement, n, log))
                     save(partial=True)
@@ -494,7 +497,8 @@ def selector_request(selector: str) -> dict:
 
 
 def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, base: dict, placement: str,
-                  n: int, log: Callable[[str], None], shape: ModelShape, split: int) -> dict:
+                  n: int, log: Callable[[str], None], shape: ModelShape, split: int,
+                  default_budget: float | None) -> dict:
     """RidgeFill with one exact-row selector, against the same length's exact and plain RidgeFill medians."""
     request = selector_request(selector)
     ridgefill_requests(srv, prompt, 1, **request)  # warm-up: its buffers
@@ -503,8 +507,7 @@ def time_selector(srv: Server, prompt: list[int], selector: str, repeats: int, b
     log(f"bench: {placement} {n} tokens, {selector}: {med:.0f} ms, {st['selected']} rows selected")
     c_mac = mac_ceiling(shape, n, split, st["filled"], st["exact"] + st["tail"], tail=st["tail"],
                         n_probe=st.get("probe_rows", 0), n_fill_skipped=st.get("fill_skipped", 0))
-    # the factor it ran at: the request's, else the server's default (its /props)
-    factor = request.get("ridgefill_budget", (srv.get("/props").get("ridgefill") or {}).get("budget"))
+    factor = request.get("ridgefill_budget", default_budget)  # the factor it ran at
     return {"placement": placement, "tokens": n, "selector": selector, "budget_factor": factor,
             "ms": ms, "median_ms": med,
             "speedup_vs_exact": base["median_exact_ms"] / med, "vs_plain": base["median_ridgefill_ms"] / med,
