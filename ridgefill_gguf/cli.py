@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .eval.arms import SERVER_BUDGET
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -378,7 +379,7 @@ def corpus(folder: Path | None) -> None:
               show_default=True, help="prefix rows that run exactly besides the tail (docs/engine.md)")
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
               "exact (default: the selector's own; the probe counts by the budget)")
-@click.option("--budget", type=click.FloatRange(0), default=None, help="the probe's budget factor (default: llama-server's, 1.5)")
+@click.option("--budget", type=click.FloatRange(0), default=None, help=f"the probe's budget factor (default: llama-server's, {SERVER_BUDGET:g})")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
               help=f"context size (default: the model's, at most {32768})")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -582,8 +583,9 @@ def _selector_options(f):
     for option in reversed([
         click.option("--exact-share", default=0.1, show_default=True,
                      help="share of the prefix the attention selector keeps exact"),
-        click.option("--budget", default=1.0, show_default=True,
-                     help="the probe's budget factor: E = budget x the rows the base rules count (paper §2.4)"),
+        click.option("--budget", default=SERVER_BUDGET, show_default=True,
+                     help="the probe's budget factor: E = budget x the rows the base rules count (default: "
+                          "llama-server's)"),
         click.option("--whole-numbers/--no-whole-numbers", default=True, show_default=True,
                      help="with the budget, a number the probe keeps exact in part runs exactly whole"),
         click.option("--probe-share", type=float, default=None,

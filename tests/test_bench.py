@@ -11,6 +11,7 @@ import pytest
 
 from conftest import ROOT, require_builds
 from ridgefill_gguf.bench import against_upstream, layer_ceiling, mac_ceiling, run_bench
+from ridgefill_gguf.eval.arms import SERVER_BUDGET
 from ridgefill_gguf.random_gguf import ModelShape
 from ridgefill_gguf.maps.synthetic import write_random_maps
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
@@ -230,8 +231,9 @@ def test_the_bench_times_selectors_and_the_exact_row_line_beside_plain_ridgefill
     # the tiny prompt's budget: its digit tokens (no table, no layer 3/7/11/15 below split 1); random matches it
     assert probe["budget"] == rand["budget"] == rand["selected"] > 0 and probe["prefix"] == 436
     # a budget factor per request: twice the rows the base rules count; a bare selector runs at the server's
-    # default, which the bench reads from /props
+    # default, which the bench reads from /props, and which the eval instruments take as their own
     assert doubled["budget_factor"] == 2.0 and probe["budget_factor"] == 1.0 and default["budget_factor"] == 1.5
+    assert default["budget_factor"] == SERVER_BUDGET
     assert doubled["budget"] == 2 * probe["budget"] and probe["budget"] < default["budget"] < doubled["budget"]
     (line,) = r["exact_rows_line"]
     assert [p["exact_rows"] for p in line["points"]] == [0, 109, 218]

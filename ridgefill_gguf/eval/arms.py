@@ -24,6 +24,7 @@ RESCALES = ("values", "keys", "both")
 # the prefill statistics that say which rows ran exactly and what chose them, kept beside each result
 ROW_COUNTS = ("n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "n_budget", "n_lexical",
               "n_whole_numbers", "n_protected", "n_random")
+SERVER_BUDGET = 1.5  # llama-server's --ridgefill-budget: the instruments measure what it serves unless told
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Arm:
 @dataclass
 class SelectorOptions:
     exact_share: float = 0.1   # of the prefix, for the attention selector
-    budget: float = 1.0        # the probe's budget factor: E = budget x the rows the base rules count
+    budget: float = SERVER_BUDGET  # the probe's budget factor: E = budget x the rows the base rules count
     whole_numbers: bool = True  # with the budget, a number the probe keeps exact in part runs exactly whole
     probe_share: float | None = None  # a fixed share of the prefix for the probe instead of the budget
     protected_share: float = 0.25

@@ -43,7 +43,10 @@ step() {
     [ "$left" -lt 20 ] && { echo "eval-study: deadline reached, skipping: $1 ${*: -3}"; return; }
     [ "$left" -lt "$limit" ] && limit=$left
     echo "== eval $1 ${*: -3} (at most ${limit} s)"
-    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" ${THREADS:+--threads "$THREADS"} 2>&1 | grep -v '^WARNING' | tail -"${STEP_LINES:-12}"
+    # BUDGET names the probe's factor in every run: the untagged folders hold runs at 1 (the eval's default until
+    # it took llama-server's), and a run that resumes one must not change it
+    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" --budget "${BUDGET:-1}" ${THREADS:+--threads "$THREADS"} 2>&1 |
+        grep -v '^WARNING' | tail -"${STEP_LINES:-12}"
 }
 
 case "$which" in
@@ -92,7 +95,7 @@ for inst in $instruments; do
         base="$study/claim-$which-S$mid-T1024"; out="$base${TAG:+-$TAG}"
         claim=(needles "$model" --maps "$maps/$prefix.S$mid.gguf" --tail 1024 --lengths "$lengths"
                --samples "${SAMPLES:-$claim_samples}" --out "$out" -ngl 99 --arms "${ARMS:-ridge+probe}"
-               ${BUDGET:+--budget "$BUDGET"} ${TASKS:+--tasks "$TASKS"})
+               ${TASKS:+--tasks "$TASKS"})
         [ "${WHOLE_NUMBERS:-1}" = 0 ] && claim+=(--no-whole-numbers)
         [ "$out" != "$base" ] && [ -f "$base/results.jsonl" ] && seed_exact "$base/results.jsonl" "$out"
         shards=${SHARDS:-1}
@@ -114,7 +117,7 @@ for inst in $instruments; do
         facts=(facts "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "${FACT_TAIL:-1024}"
                --lengths "${FACT_LENGTHS:-$fact_lengths}" --samples "${SAMPLES:-$fact_samples}" --out "$out" -ngl 99
                --arms "${ARMS:-ridge,ridge+probe,ridge+random:probe,ridge+blind-probe,ridge+protected}"
-               --exact-only-follow-up ${RERANK:+--rerank-follow-up} ${BUDGET:+--budget "$BUDGET"}
+               --exact-only-follow-up ${RERANK:+--rerank-follow-up}
                ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"})
         [ -n "${EXACT_FROM:-}" ] && seed_exact "$repo/$EXACT_FROM" "$out"
         shards=${SHARDS:-1}
@@ -131,7 +134,7 @@ for inst in $instruments; do
         t=${FACT_TAIL:-1024}
         step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "$t" --min-tokens 3072 \
             --max-tokens "${NLL_MAX_TOKENS:-$doc_max}" --max-docs "${MAX_DOCS:-12}" --score 512 -ngl 99 --arms "${ARMS:-ridge,ridge+probe}" \
-            ${BUDGET:+--budget "$BUDGET"} ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"} \
+            ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"} \
             --out "$study/nll-sweep-$which-S$mid-T$t${TAG:+-$TAG}" ;;
     setup) ;;  # only the copies above (study-parallel.sh makes them once before its runs start)
     nll|agreement)
