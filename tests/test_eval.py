@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -404,6 +405,8 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
     assert set(study) == {"qwen.gguf"} and len(study["qwen.gguf"]["nll"]) == 2
     md = (tmp_path / "report" / "study.md").read_text()
     assert "| 9 | 1024 | 4 | ridge |" in md and "| 12 | 1024 | 3 (3) | 100.0 | ridge | 33.3 |" in md
+    # each loss row names its run, which names the setting where several runs share a split and tail
+    assert re.search(r"\| 9 \| 1024 \| 4 \| ridge \|.*\| nll-S9 \|", md)
     assert (tmp_path / "report" / "study-qwen.png").stat().st_size > 1000
     # the fitted map paired with the identity fill, per sample and per document
     needles_9 = next(x for x in study["qwen.gguf"]["needles"] if x["split"] == 9)

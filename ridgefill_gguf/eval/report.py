@@ -253,12 +253,13 @@ def markdown(study: dict) -> str:
         for kind, title, columns, cell in doc_tables:
             if not runs[kind]:
                 continue
-            lines += [title, "", "| split | tail | documents | arm | " + " | ".join(columns) + " |",
-                      "|---|---|---|---|" + "---|" * len(columns)]
-            for x in sorted(runs[kind], key=lambda x: (x["tail"], x["split"])):
+            # the run's folder names its setting (a tagged run's budget, window or tail)
+            lines += [title, "", "| split | tail | documents | arm | " + " | ".join(columns) + " | run |",
+                      "|---|---|---|---|" + "---|" * (len(columns) + 1)]
+            for x in sorted(runs[kind], key=lambda x: (x["tail"], x["split"], x["path"])):
                 for arm, s in x["summary"].items():
                     lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | " +
-                                 " | ".join(cell(s, c) for c in columns) + " |")
+                                 " | ".join(cell(s, c) for c in columns) + f" | {Path(x['path']).name} |")
             lines.append("")
         lines += facts_table(runs.get("facts", []))
         lines += pairs_table(runs)
