@@ -241,6 +241,7 @@ def measured_speeds(bench: dict) -> dict[tuple[str, float | None], dict]:
 # first prefill ran exactly (rerank)
 FOLLOW_UP_OF = {"any": "follow_up", "exact-only": "follow_up_exact_only", "rerank": "follow_up_rerank"}
 RESUMED = ("exact-only", "rerank")
+SERVER_REUSE = "exact-only"  # llama-server's --ridgefill-reuse
 CHEAPER_FOLLOW_UP = ("rerank", "exact-only", "any")  # of equals, the last: rerank keeps more rows exact
 
 
@@ -271,14 +272,19 @@ def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None
 
 def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries: list[dict],
                   fact_entries: list[dict], nll_entries: list[dict]) -> list[Candidate]:
-    """One measured configuration as served: its follow-ups over the reused cache, and (for the probe, where a run
-    measured it) prefilled again for the new question."""
+    """One measured configuration as served under each reuse policy a run measured its follow-ups with; where none
+    did, under the server's default policy, which prefills a follow-up again for its own question (an unmeasured
+    follow-up over the reused cache would pass the margin unseen)."""
     facts = facts_of(fact_entries, split, tail, arm, budget)
-    policies = ("any",) + tuple(p for p in RESUMED if ARMS[arm] and FOLLOW_UP_OF[p] in facts)
+    policies = tuple(p for p in FOLLOW_UP_OF if FOLLOW_UP_OF[p] in facts and (ARMS[arm] or p == "any"))
+    unmeasured = not policies
+    policies = policies or (SERVER_REUSE,)
     loss = quality_of(nll_entries, split, tail, arm, budget=budget or 1.0)
     out = [Candidate(split, tail, arm, budget, reuse, needles_at(entries, split, tail, arm, budget), facts, loss)
            for reuse in policies]
     for c in out:
+        if unmeasured:
+            c.notes.append(f"no follow-up measured for this configuration: the server's default reuse ({SERVER_REUSE})")
         if c.quality is None:
             c.notes.append("no committed retrieval for this configuration")
         elif c.quality.get("from_budget"):
@@ -400,6 +406,7 @@ def markdown(r: dict) -> str:
     lines += ["", "**Advice:** " + (
         f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "
         f"{r['tokens']:,} tokens, needle retrieval {100 * ch['quality']['mean']:+.1f} points (bound "
-        f"{100 * ch['quality']['bound']:+.1f}) in `{ch['quality']['run']}`" + facts_said(ch) + "."
+        f"{100 * ch['quality']['bound']:+.1f}) in `{ch['quality']['run']}`" + facts_said(ch) + "." +
+        "".join(f" ({n[0].upper()}{n[1:]}.)" for n in ch["notes"] if n.startswith("no follow-up"))
         if ch else r["why_none"] + ".")]
     return "\n".join(lines) + "\n"

@@ -68,7 +68,9 @@ def test_advise_takes_the_fastest_configuration_whose_committed_bound_holds_the_
     assert picks["few"]["arm"] == "ridge+probe" and picks["clear"] is None and picks["many"] is None
     assert "too few to test" in (tmp_path / "few" / "advice.md").read_text()
     md = (tmp_path / "out-0.02" / "advice.md").read_text()
-    assert "--ridgefill-tail 64 --ridgefill-select probe --ridgefill-budget 1 --ridgefill-reuse any" in md
+    # no follow-up measured: the server's default reuse, which prefills a follow-up again for its own question
+    assert "--ridgefill-tail 64 --ridgefill-select probe --ridgefill-budget 1 --ridgefill-reuse exact-only" in md
+    assert "No follow-up measured for this configuration: the server's default reuse (exact-only)." in md
     assert json.loads((tmp_path / "out-0.5" / "advice.json").read_text())["choice"]["arm"] == "ridge"
 
 
@@ -80,7 +82,9 @@ def test_advise_without_a_committed_study_of_the_model_recommends_nothing_and_sa
                  measure=lambda m, t: bench_like(1.9, 1.4), log=lines.append)
     assert r["choice"] is None and r["quality_from"] is None
     assert any("no committed quality" in s for s in lines)
-    assert all(c["notes"] == ["no committed retrieval for this configuration"] for c in r["candidates"])
+    assert all("no committed retrieval for this configuration" in c["notes"] and c["reuse"] == "exact-only" and
+               "no follow-up measured for this configuration: the server's default reuse (exact-only)" in c["notes"]
+               for c in r["candidates"])
     assert "serve the stock prefill" in (tmp_path / "out" / "advice.md").read_text()
 
 
@@ -157,7 +161,7 @@ def test_advise_names_the_budget_and_the_reuse_policy_whose_natural_follow_up_ho
     assert (middle["choice"]["budget"], middle["choice"]["reuse"]) == (1.0, "exact-only")
     assert (loose["choice"]["budget"], loose["choice"]["reuse"]) == (1.0, "any")
     policies = {(c["arm"], c["budget"], c["reuse"]) for c in tight["candidates"]}
-    assert policies == {("ridge", None, "any"), ("ridge+probe", 1.0, "any"), ("ridge+probe", 1.0, "exact-only"),
+    assert policies == {("ridge", None, "exact-only"), ("ridge+probe", 1.0, "any"), ("ridge+probe", 1.0, "exact-only"),
                         ("ridge+probe", 2.0, "any"), ("ridge+probe", 2.0, "exact-only")}
     assert timed == [64, 64, 64]
 
