@@ -264,6 +264,11 @@ def choose(candidates: list[Candidate], margin: float) -> tuple[Candidate | None
     if ok:
         return None, ("the configurations within the margin are not faster than the stock prefill at this length "
                       "on this machine: serve the stock prefill")
+    if not any(c.quality for c in candidates):
+        return None, ("no committed retrieval (eval needles) of this model at these splits and tails, so nothing can "
+                      "be held to the margin (a key-token loss, where one is shown, is not a retrieval bound): "
+                      "serve the stock prefill, or measure this model's quality (eval needles, eval facts, eval "
+                      "report) and ask again with --quality")
     return None, ("no configuration's committed quality holds the margin on every question measured (the needles, "
                   "and facts asked in other words: the first question and the follow-up its reuse policy serves): "
                   "serve the stock prefill, or measure this model's quality (eval needles, eval facts, eval report) "

@@ -204,6 +204,17 @@ def test_advise_shows_the_committed_key_token_loss_beside_each_configuration_wit
     assert "key tokens' loss +0.144 nats per token (95% upper +0.345) in `nll-run`" in md
 
 
+def test_a_model_with_only_a_committed_loss_gets_no_advice_and_is_told_that_no_retrieval_was_measured(tmp_path):
+    model, maps = tiny_qwen3_with_random_maps(tmp_path)
+    nll = [{"split": 1, "tail": 64, "arm": "ridge+probe", "probe": A.DEFAULT_PROBE, "n": 6, "mean": 0.09,
+            "lo": -0.05, "hi": 0.23, "all_mean": 0.009, "run": "nll-run"}]
+    r = A.advise(model, [maps], tokens=8192, margin=0.02, tails=(64,), measure_tokens=1024,
+                 curves={model.name: {"signature": None, "needles": [], "nll": nll}}, out_dir=tmp_path / "out",
+                 measure=lambda m, t: bench_like(1.9, 1.4), log=print)
+    assert r["choice"] is None and r["why_none"].startswith("no committed retrieval (eval needles) of this model")
+    assert "| +0.090 (+0.230), 6 |" in (tmp_path / "out" / "advice.md").read_text()
+
+
 def test_the_packaged_curves_hold_the_key_token_loss_of_the_committed_nll_runs_with_their_probe_settings():
     qwen = A.load_curves()["models"]["qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]["nll"]
     of_run = {e["arm"]: e for e in qwen if e["run"].endswith("selectors-nll-qwen-S12-T1024")}
