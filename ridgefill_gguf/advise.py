@@ -281,7 +281,7 @@ def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries
     did, under the server's default policy, which prefills a follow-up again for its own question (an unmeasured
     follow-up over the reused cache would pass the margin unseen)."""
     facts = facts_of(fact_entries, split, tail, arm, budget)
-    policies = tuple(p for p in FOLLOW_UP_OF if FOLLOW_UP_OF[p] in facts and (ARMS[arm] or p == "any"))
+    policies = tuple(p for p in FOLLOW_UP_OF if FOLLOW_UP_OF[p] in facts)
     unmeasured = not policies
     policies = policies or (SERVER_REUSE,)
     loss = quality_of(nll_entries, split, tail, arm, budget=budget or 1.0)

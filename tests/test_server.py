@@ -495,8 +495,7 @@ def test_cache_reuse_by_shifting_moves_the_mark_of_the_approximated_cells_with_t
 def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cells_begin(model_and_maps):
     require_builds("ridgefill")
     model, maps, _, d = model_and_maps
-    extra = ("--ridgefill-reuse", "exact-only", "--ridgefill-budget", "1.5")
-    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=extra, log_path=d / "props.log") as srv:
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, log_path=d / "props.log") as srv:
         props = srv.get("/props")["ridgefill"]
         before = srv.get("/slots")[0]["ridgefill_approx_from"]
         srv.complete(PROMPT, n_predict=2)
@@ -505,8 +504,11 @@ def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cel
         stock = srv.get("/slots")[0]["ridgefill_approx_from"]
     with Server(model, None, threads=2, log_path=d / "props-off.log") as srv:
         off = srv.get("/props").get("ridgefill")
+    # the server's defaults, which the eval instruments and advise take as their own
+    from ridgefill_gguf.advise import SERVER_REUSE
+    from ridgefill_gguf.eval.arms import SERVER_BUDGET
     assert props == {**props, "maps": str(maps), "placement": "resident", "tail": 64, "min_prefix": 0,
-                     "select": "probe", "budget": 1.5, "reuse": "exact-only", "whole_numbers": True}
+                     "select": "probe", "budget": SERVER_BUDGET, "reuse": SERVER_REUSE, "whole_numbers": True}
     # what was loaded, read from the file: its split, layers and the checksum that identifies it
     from ridgefill_gguf.gguf_io import read_gguf
 

@@ -43,9 +43,10 @@ step() {
     [ "$left" -lt 20 ] && { echo "eval-study: deadline reached, skipping: $1 ${*: -3}"; return; }
     [ "$left" -lt "$limit" ] && limit=$left
     echo "== eval $1 ${*: -3} (at most ${limit} s)"
-    # BUDGET names the probe's factor in every run: the untagged folders hold runs at 1 (the eval's default until
-    # it took llama-server's), and a run that resumes one must not change it
-    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" --budget "${BUDGET:-1}" ${THREADS:+--threads "$THREADS"} 2>&1 |
+    # every run names the probe's factor: the untagged folders hold runs at 1 (the eval's default until it took
+    # llama-server's), and an answer is keyed by its arm's name, not its settings; only claim, facts and nll-sweep
+    # take BUDGET (STEP_BUDGET), into a TAG's folder
+    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" --budget "${STEP_BUDGET:-1}" ${THREADS:+--threads "$THREADS"} 2>&1 |
         grep -v '^WARNING' | tail -"${STEP_LINES:-12}"
 }
 
@@ -59,13 +60,18 @@ qwen)
     lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=12; select_samples=6; claim_samples=20
     fact_lengths=4096; fact_samples=400 ;;
 gemma3)
-    # a base model with sliding-window layers: completion prompts, the windowed cache keeping every row
-    model="$work/models/gemma-3-270m-q4_k_m.gguf"; splits="6 9 12"; prefix=gemma3
+    # a base model with sliding-window layers: completion prompts, the windowed cache keeping every row; maps at
+    # split 9 only so far
+    model="$work/models/gemma-3-270m-q4_k_m.gguf"; splits=9; prefix=gemma3
     lengths=8192,16384,32768; tails="1024 4096"; doc_max=32768; mid=9; select_samples=6; claim_samples=20
     fact_lengths=4096; fact_samples=400 ;;
 *) echo "eval-study: smollm2, qwen or gemma3" >&2; exit 2 ;;
 esac
 splits=${SPLITS:-$splits} tails=${TAILS:-$tails} lengths=${LENGTHS:-$lengths}  # subsets when time is short
+if [ "${BUDGET:-1}" != 1 ] && [ -z "${TAG:-}" ]; then
+    echo "eval-study: BUDGET=$BUDGET needs TAG=... (the untagged folders hold budget-1 runs)" >&2; exit 2
+fi
+budget=${BUDGET:-1}
 maps_args=(); for s in $splits; do maps_args+=(--maps "$maps/$prefix.S$s.gguf"); done
 tail_args=(); for t in $tails; do tail_args+=(--tail "$t"); done
 
@@ -101,13 +107,13 @@ for inst in $instruments; do
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
-                STEP_LINES=3 step "${claim[@]}" --shard "$i/$shards" &
+                STEP_LINES=3 STEP_BUDGET=$budget step "${claim[@]}" --shard "$i/$shards" &
             done
             wait
         fi
         touch "$work/.claim-start"
-        RESERVE=40 step "${claim[@]}"
-        [ "$out/summary.json" -nt "$work/.claim-start" ] || RESERVE=5 step "${claim[@]}" --summary-only ;;
+        RESERVE=40 STEP_BUDGET=$budget step "${claim[@]}"
+        [ "$out/summary.json" -nt "$work/.claim-start" ] || RESERVE=5 STEP_BUDGET=$budget step "${claim[@]}" --summary-only ;;
     facts)
         # SmolLM2 and Qwen answer about two thirds of these facts exactly, and a 2-point bound on a paired
         # difference needs a few hundred filled-region samples
@@ -123,16 +129,16 @@ for inst in $instruments; do
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
-                RESERVE=40 STEP_LINES=3 step "${facts[@]}" --shard "$i/$shards" &
+                RESERVE=40 STEP_LINES=3 STEP_BUDGET=$budget step "${facts[@]}" --shard "$i/$shards" &
             done
             wait
         fi
-        RESERVE=5 step "${facts[@]}" ;;
+        RESERVE=5 STEP_BUDGET=$budget step "${facts[@]}" ;;
     nll-sweep)
         # issue 22's sweep, key-token loss: at the middle split, ARMS at BUDGET, PROBE_ROWS and FACT_TAIL, in a
         # folder per TAG; several side by side (&) share the GPU
         t=${FACT_TAIL:-1024}
-        step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "$t" --min-tokens 3072 \
+        STEP_BUDGET=$budget step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "$t" --min-tokens 3072 \
             --max-tokens "${NLL_MAX_TOKENS:-$doc_max}" --max-docs "${MAX_DOCS:-12}" --score 512 -ngl 99 --arms "${ARMS:-ridge,ridge+probe}" \
             ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"} \
             --out "$study/nll-sweep-$which-S$mid-T$t${TAG:+-$TAG}" ;;

@@ -24,7 +24,7 @@ for what in "$@"; do
     tail) facts TAG=budget1.5 FACT_TAIL=${TAIL_ROWS:-512} ARMS=ridge,ridge+probe ;;
     nll)
         # plain RidgeFill once per tail: the base run (tail 1,024) and the tail-512 run
-        for s in "ARMS=ridge,ridge+probe" "TAG=budget1.5 BUDGET=1.5 ARMS=ridge+probe" "TAG=budget2 BUDGET=2 ARMS=ridge+probe" \
+        for s in "BUDGET=1 ARMS=ridge,ridge+probe" "TAG=budget1.5 BUDGET=1.5 ARMS=ridge+probe" "TAG=budget2 BUDGET=2 ARMS=ridge+probe" \
                  "TAG=budget1.5-rows1024 BUDGET=1.5 PROBE_ROWS=1024 ARMS=ridge+probe" \
                  "TAG=budget1.5-rows64 BUDGET=1.5 PROBE_ROWS=64 ARMS=ridge+probe" \
                  "TAG=budget1.5 BUDGET=1.5 FACT_TAIL=512 ARMS=ridge,ridge+probe"; do
