@@ -242,6 +242,7 @@ def measured_speeds(bench: dict) -> dict[tuple[str, float | None], dict]:
 FOLLOW_UP_OF = {"any": "follow_up", "exact-only": "follow_up_exact_only", "rerank": "follow_up_rerank"}
 RESUMED = ("exact-only", "rerank")
 SERVER_REUSE = "exact-only"  # llama-server's --ridgefill-reuse
+NO_FOLLOW_UP = f"no follow-up measured for this configuration: the server's default reuse ({SERVER_REUSE})"
 CHEAPER_FOLLOW_UP = ("rerank", "exact-only", "any")  # of equals, the last: rerank keeps more rows exact
 
 
@@ -289,7 +290,7 @@ def candidates_of(split: int, tail: int, arm: str, budget: float | None, entries
            for reuse in policies]
     for c in out:
         if unmeasured:
-            c.notes.append(f"no follow-up measured for this configuration: the server's default reuse ({SERVER_REUSE})")
+            c.notes.append(NO_FOLLOW_UP)
         if c.quality is None:
             c.notes.append("no committed retrieval for this configuration")
         elif c.quality.get("from_budget"):
@@ -412,6 +413,6 @@ def markdown(r: dict) -> str:
         f"split {ch['split']} (its maps file), `{flags(ch)}`: about {ch['speed']['at_tokens']['speedup']:.2f}x at "
         f"{r['tokens']:,} tokens, needle retrieval {100 * ch['quality']['mean']:+.1f} points (bound "
         f"{100 * ch['quality']['bound']:+.1f}) in `{ch['quality']['run']}`" + facts_said(ch) + "." +
-        "".join(f" ({n[0].upper()}{n[1:]}.)" for n in ch["notes"] if n.startswith("no follow-up"))
+        (f" ({NO_FOLLOW_UP[0].upper()}{NO_FOLLOW_UP[1:]}.)" if NO_FOLLOW_UP in ch["notes"] else "")
         if ch else r["why_none"] + ".")]
     return "\n".join(lines) + "\n"

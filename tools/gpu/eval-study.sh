@@ -43,10 +43,9 @@ step() {
     [ "$left" -lt 20 ] && { echo "eval-study: deadline reached, skipping: $1 ${*: -3}"; return; }
     [ "$left" -lt "$limit" ] && limit=$left
     echo "== eval $1 ${*: -3} (at most ${limit} s)"
-    # every run names the probe's factor: the untagged folders hold runs at 1 (the eval's default until it took
-    # llama-server's), and an answer is keyed by its arm's name, not its settings; only claim, facts and nll-sweep
-    # take BUDGET (STEP_BUDGET), into a TAG's folder
-    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" --budget "${STEP_BUDGET:-1}" ${THREADS:+--threads "$THREADS"} 2>&1 |
+    # every run names the probe's factor (step_budget, set per instrument below): the untagged folders hold runs at
+    # 1 (the eval's default until it took llama-server's), and an answer is keyed by its arm's name, not its settings
+    timeout "$limit" python3 -m ridgefill_gguf.cli eval "$@" --budget "$step_budget" ${THREADS:+--threads "$THREADS"} 2>&1 |
         grep -v '^WARNING' | tail -"${STEP_LINES:-12}"
 }
 
@@ -71,11 +70,12 @@ splits=${SPLITS:-$splits} tails=${TAILS:-$tails} lengths=${LENGTHS:-$lengths}  #
 if [ "${BUDGET:-1}" != 1 ] && [ -z "${TAG:-}" ]; then
     echo "eval-study: BUDGET=$BUDGET needs TAG=... (the untagged folders hold budget-1 runs)" >&2; exit 2
 fi
-budget=${BUDGET:-1}
 maps_args=(); for s in $splits; do maps_args+=(--maps "$maps/$prefix.S$s.gguf"); done
 tail_args=(); for t in $tails; do tail_args+=(--tail "$t"); done
 
 for inst in $instruments; do
+    # only claim, facts and nll-sweep take BUDGET, into a TAG's folder
+    case "$inst" in claim|facts|nll-sweep) step_budget=${BUDGET:-1} ;; *) step_budget=1 ;; esac
     case "$inst" in
     needles)
         step needles "$model" "${maps_args[@]}" "${tail_args[@]}" --lengths "$lengths" --samples "${SAMPLES:-8}" \
@@ -107,13 +107,13 @@ for inst in $instruments; do
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
-                STEP_LINES=3 STEP_BUDGET=$budget step "${claim[@]}" --shard "$i/$shards" &
+                STEP_LINES=3 step "${claim[@]}" --shard "$i/$shards" &
             done
             wait
         fi
         touch "$work/.claim-start"
-        RESERVE=40 STEP_BUDGET=$budget step "${claim[@]}"
-        [ "$out/summary.json" -nt "$work/.claim-start" ] || RESERVE=5 STEP_BUDGET=$budget step "${claim[@]}" --summary-only ;;
+        RESERVE=40 step "${claim[@]}"
+        [ "$out/summary.json" -nt "$work/.claim-start" ] || RESERVE=5 step "${claim[@]}" --summary-only ;;
     facts)
         # SmolLM2 and Qwen answer about two thirds of these facts exactly, and a 2-point bound on a paired
         # difference needs a few hundred filled-region samples
@@ -129,16 +129,16 @@ for inst in $instruments; do
         shards=${SHARDS:-1}
         if [ "$shards" -gt 1 ]; then
             for i in $(seq 0 $((shards - 1))); do
-                RESERVE=40 STEP_LINES=3 STEP_BUDGET=$budget step "${facts[@]}" --shard "$i/$shards" &
+                RESERVE=40 STEP_LINES=3 step "${facts[@]}" --shard "$i/$shards" &
             done
             wait
         fi
-        RESERVE=5 STEP_BUDGET=$budget step "${facts[@]}" ;;
+        RESERVE=5 step "${facts[@]}" ;;
     nll-sweep)
         # issue 22's sweep, key-token loss: at the middle split, ARMS at BUDGET, PROBE_ROWS and FACT_TAIL, in a
         # folder per TAG; several side by side (&) share the GPU
         t=${FACT_TAIL:-1024}
-        STEP_BUDGET=$budget step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "$t" --min-tokens 3072 \
+        step nll "$model" --maps "$maps/$prefix.S$mid.gguf" --docs "$eval_docs" --tail "$t" --min-tokens 3072 \
             --max-tokens "${NLL_MAX_TOKENS:-$doc_max}" --max-docs "${MAX_DOCS:-12}" --score 512 -ngl 99 --arms "${ARMS:-ridge,ridge+probe}" \
             ${PROBE_ROWS:+--probe-rows "$PROBE_ROWS"} \
             --out "$study/nll-sweep-$which-S$mid-T$t${TAG:+-$TAG}" ;;

@@ -29,8 +29,8 @@ for what in "$@"; do
                  "TAG=budget1.5-rows64 BUDGET=1.5 PROBE_ROWS=64 ARMS=ridge+probe" \
                  "TAG=budget1.5 BUDGET=1.5 FACT_TAIL=512 ARMS=ridge,ridge+probe"; do
             # shellcheck disable=SC2086
-            if [ -n "${SEQUENTIAL:-}" ]; then env $s THREADS=2 NO_PACK=1 STEP_TIMEOUT=${DEADLINE:-500} $study nll-sweep
-            else env $s THREADS=2 NO_PACK=1 STEP_TIMEOUT=${DEADLINE:-500} $study nll-sweep & fi
+            env $s THREADS=2 NO_PACK=1 STEP_TIMEOUT=${DEADLINE:-500} $study nll-sweep &
+            [ -n "${SEQUENTIAL:-}" ] && wait
         done
         wait ;;
     *) echo "sweep-study: controls, nll, window or tail" >&2; exit 2 ;;
