@@ -382,7 +382,7 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
         rows = [{"name": f"/corpus/{('chat', 'code')[i % 2]}/d{i}.txt",
                  "delta": {arm: {k: float(rng.normal(0.1 * split, 0.01)) for k in nll.KINDS} for arm in nll.ARMS}}
                 for i in range(4)]
-        out = tmp_path / "study" / f"nll-S{split}"
+        out = tmp_path / "study" / ("sweep" if split == 12 else "") / f"nll-S{split}"
         out.mkdir(parents=True)
         (out / "documents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / "summary.json").write_text(json.dumps({
@@ -407,6 +407,8 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
     assert "| 9 | 1024 | 4 | ridge |" in md and "| 12 | 1024 | 3 (3) | 100.0 | ridge | 33.3 |" in md
     # each loss row names its run, which names the setting where several runs share a split and tail
     assert re.search(r"\| 9 \| 1024 \| 4 \| ridge \|.*\| nll-S9 \|", md)
+    # named by its path under the study, so runs in folders of one name stay apart
+    assert re.search(r"\| 12 \| 1024 \| 4 \| ridge \|.*\| sweep/nll-S12 \|", md)
     assert (tmp_path / "report" / "study-qwen.png").stat().st_size > 1000
     # the fitted map paired with the identity fill, per sample and per document
     needles_9 = next(x for x in study["qwen.gguf"]["needles"] if x["split"] == 9)

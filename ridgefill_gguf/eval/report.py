@@ -43,6 +43,7 @@ def collect(root: str | Path) -> dict:
         r = json.loads(path.read_text())
         name = Path(r["model"]).name
         kind = r.get("instrument", "").removeprefix("eval ")
+        where = {"path": str(path.parent), "run": run_name(path.parent, root)}
         if kind in ("nll", "agreement"):
             docs = load_jsonl(path.parent / "documents.jsonl")
             document_files[str(path.parent)] = docs
@@ -50,7 +51,7 @@ def collect(root: str | Path) -> dict:
             summary = (summarize_nll if kind == "nll" else summarize_agreement)(docs, list(r["summary"]))
             runs[name][kind].append({"split": r["split"], "tail": r["options"]["tail"], "documents": r["documents"],
                                      "summary": summary, "pairs": document_pairs(kind, docs),
-                                     "selectors": r["options"].get("selectors"), "path": str(path.parent)})
+                                     "selectors": r["options"].get("selectors"), **where})
         elif kind == "needles":
             samples = [Sample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
             answers = load_jsonl(path.parent / "results.jsonl")
@@ -59,7 +60,7 @@ def collect(root: str | Path) -> dict:
                 pairs, test = needle_contrasts(samples, answers, cfg, c["tail"])
                 runs[name]["needles"].append({"split": c["split"], "tail": c["tail"], "groups": c["groups"],
                                               "pairs": pairs, "noninferiority": test,
-                                              "lengths": r["options"]["lengths"], "path": str(path.parent),
+                                              "lengths": r["options"]["lengths"], **where,
                                               "config": cfg})
         elif kind == "facts":
             samples = [FactSample(**s) for s in load_jsonl(path.parent / "samples.jsonl")]
@@ -67,7 +68,7 @@ def collect(root: str | Path) -> dict:
             for cfg, c in r["configs"].items():
                 runs[name].setdefault("facts", []).append(
                     {"split": c["split"], "tail": c["tail"], "turns": fact_tests(samples, answers, cfg, c["tail"]),
-                     "lengths": r["options"]["lengths"], "selectors": r.get("selectors"), "path": str(path.parent),
+                     "lengths": r["options"]["lengths"], "selectors": r.get("selectors"), **where,
                      "config": cfg})
     # a run in a folder BASE-TAG against the run in BASE: the same prompts or documents, one setting changed
     for model_runs in runs.values():
@@ -86,6 +87,11 @@ def collect(root: str | Path) -> dict:
                     x["pairs"].update(document_run_pairs(kind, document_files[x["path"]],
                                                          document_files[base["path"]], tag))
     return {k: v for k, v in runs.items()}
+
+
+def run_name(folder: Path, root: str | Path) -> str:
+    """A run's folder under the study's root, so two runs in folders of one name stay apart."""
+    return folder.relative_to(root).as_posix() if folder != Path(root) else folder.name
 
 
 def tagged_base(x: dict, runs: list[dict]) -> tuple[dict, str] | None:
@@ -242,7 +248,7 @@ def markdown(study: dict) -> str:
                         delta = (t or {}).get("delta") or a["delta_filled"]
                         lines.append("| " + " | ".join(head + [arm, _pct(a["accuracy_filled"]),
                                                                 _ci(delta, 100, 1)] + test +
-                                                         [Path(x["path"]).name]) + " |")
+                                                         [x["run"]]) + " |")
             lines.append("")
         # the document instruments: a row per run and arm
         doc_tables = (("nll", "ΔNLL (arm minus exact, nats per token, mean over documents [95% interval]):",
@@ -259,7 +265,7 @@ def markdown(study: dict) -> str:
             for x in sorted(runs[kind], key=lambda x: (x["tail"], x["split"], x["path"])):
                 for arm, s in x["summary"].items():
                     lines.append(f"| {x['split']} | {x['tail']} | {x['documents']} | {arm} | " +
-                                 " | ".join(cell(s, c) for c in columns) + f" | {Path(x['path']).name} |")
+                                 " | ".join(cell(s, c) for c in columns) + f" | {x['run']} |")
             lines.append("")
         lines += facts_table(runs.get("facts", []))
         lines += pairs_table(runs)
@@ -281,7 +287,7 @@ def facts_table(runs: list[dict]) -> list[str]:
             for arm, t in arms.items():
                 lines.append(f"| {x['split']} | {x['tail']} | {turn} | {t['n']} | {_pct(t['exact'])} | {arm} | "
                              f"{_ci(t['delta'], 100, 1)} | {100 * t['bound']:+.1f} ({100 * t['floor']:+.1f}) | "
-                             f"{'yes' if t['holds'] else 'no'} | {Path(x['path']).name} |")
+                             f"{'yes' if t['holds'] else 'no'} | {x['run']} |")
     return lines + [""]
 
 
@@ -291,7 +297,7 @@ def pairs_table(runs: dict) -> list[str]:
     for x in sorted(runs["needles"], key=lambda x: (x["tail"], x["split"])):
         for pair, s in x["pairs"].items():
             rows.append([x["split"], x["tail"], pair, "needles", f"{s['accuracy']['n']} samples",
-                         "retrieval " + _ci(s["accuracy"], 100, 1) + " points", Path(x["path"]).name])
+                         "retrieval " + _ci(s["accuracy"], 100, 1) + " points", x["run"]])
     for kind in ("nll", "agreement"):
         for x in sorted(runs[kind], key=lambda x: (x["tail"], x["split"])):
             for pair, s in x["pairs"].items():
@@ -300,7 +306,7 @@ def pairs_table(runs: dict) -> list[str]:
                 else:
                     value = f"KL {_ci(s['kl'], 1, 4)}; top-1 {_ci(s['top1'], 100, 1)} points"
                 rows.append([x["split"], x["tail"], pair, kind, f"{s[next(iter(s))]['n']} documents", value,
-                             Path(x["path"]).name])
+                             x["run"]])
     if not rows:
         return []
     return (["Arms paired with each other (Δ = first arm minus second, per sample or document, mean [95% interval]; "
