@@ -421,6 +421,39 @@ def test_the_study_report_gathers_runs_across_splits_into_one_table_and_plot(tmp
     assert "| 9 | 1024 | ridge - identity | needles | 3 samples | retrieval +33.3 [" in md
 
 
+def test_a_packed_run_reads_as_written_with_rows_appended_since_and_a_facts_run_refuses_to_continue_it(tmp_path):
+    from conftest import load_tool
+    from ridgefill_gguf.eval.documents import load_jsonl
+    from ridgefill_gguf.eval.facts import FactOptions, run_facts
+
+    pack = load_tool("pack_results")
+    run = tmp_path / "study" / "facts-x"
+    run.mkdir(parents=True)
+    rows = [{"sample": f"s{i}", "config": "exact", "arm": "exact", "score": float(i % 2)} for i in range(50)]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "samples.jsonl").write_text("{}\n")  # under the size: left as it is
+    assert pack.main([str(tmp_path / "study"), "--min-kb", "1"]) == 0
+    assert not (run / "results.jsonl").exists() and (run / "samples.jsonl").read_text() == "{}\n"
+    assert load_jsonl(run / "results.jsonl") == rows
+    first = (run / "results.jsonl.gz").read_bytes()
+    # rows a run appends after packing come after the packed ones
+    late = {"sample": "late", "config": "exact", "arm": "exact", "score": 1.0}
+    (run / "results.jsonl").write_text(json.dumps(late) + "\n")
+    assert load_jsonl(run / "results.jsonl") == rows + [late]
+    # a facts run writes its sample list whole, so it would read a packed list twice
+    with pytest.raises(ValueError, match=r"packed run \(results.jsonl.gz\).*pack_results.py --unpack"):
+        run_facts("model.gguf", [], run, FactOptions())
+    assert pack.main([str(tmp_path / "study"), "--unpack"]) == 0
+    assert not (run / "results.jsonl.gz").exists() and load_jsonl(run / "results.jsonl") == rows + [late]
+    # the same rows pack to the same bytes, and a row both in the packed file and beside it counts once
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert pack.main([str(tmp_path / "study"), "--min-kb", "1"]) == 0
+    assert (run / "results.jsonl.gz").read_bytes() == first
+    (run / "results.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert pack.main([str(tmp_path / "study"), "--unpack"]) == 0
+    assert load_jsonl(run / "results.jsonl") == rows
+
+
 def test_the_study_report_pairs_a_run_in_a_tagged_folder_with_its_base_run_per_sample_or_document(tmp_path):
     from ridgefill_gguf.eval import needles, nll
     from ridgefill_gguf.eval.report import run_report

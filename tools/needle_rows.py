@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ridgefill_gguf.eval.documents import load_jsonl  # noqa: E402
+from ridgefill_gguf.eval.documents import jsonl_parts, load_jsonl  # noqa: E402
 from ridgefill_gguf.eval.needles import Sample  # noqa: E402
 
 
 def needle_table(run_dir: Path, arm: str) -> dict[str, dict[str, int]]:
     """{"whole"|"split": {"needles", "arm", "exact"}} for one run."""
     for name in ("samples.jsonl", "results.jsonl"):
-        if not (run_dir / name).exists():
+        if not jsonl_parts(run_dir / name):
             raise SystemExit(f"needle_rows: {run_dir / name} is missing: not an `eval needles` folder")
     samples = {s["sample_id"]: Sample(**s) for s in load_jsonl(run_dir / "samples.jsonl")}
     answers = {(a["sample"], a["arm"]): a for a in load_jsonl(run_dir / "results.jsonl")}

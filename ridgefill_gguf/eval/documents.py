@@ -1,6 +1,7 @@
 """What the document-based instruments (nll, agreement) share: options, resumable results, long documents."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from dataclasses import dataclass, field
@@ -36,11 +37,26 @@ def write_summary(out_dir: Path, result: dict, markdown: str, plot: Callable[[di
         pass
 
 
+def jsonl_parts(path: Path) -> list[Path]:
+    """Where a per-sample file's rows are: PATH.gz (a committed run's, packed by tools/pack_results.py to keep the
+    checkout small enough to travel to the GPU machine), then PATH (rows appended since)."""
+    return [p for p in (path.with_name(path.name + ".gz"), path) if p.exists()]
+
+
 def load_jsonl(path: Path) -> list[dict]:
     """The rows a run appended so far (none when it has not started)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for part in jsonl_parts(path):
+        text = gzip.decompress(part.read_bytes()).decode() if part.suffix == ".gz" else part.read_text()
+        rows += [json.loads(line) for line in text.splitlines() if line.strip()]
+    return rows
+
+
+def refuse_packed(out_dir: Path) -> None:
+    """A run that writes its sample list whole cannot continue a packed one (its list would be read twice)."""
+    if packed := sorted(p.name for p in out_dir.glob("*.jsonl.gz")):
+        raise ValueError(f"{out_dir} holds a packed run ({', '.join(packed)}): unpack it before continuing it "
+                         f"(python3 tools/pack_results.py --unpack {out_dir})")
 
 
 def domain(name: str) -> str:

@@ -404,7 +404,7 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
     from ..engine.session import Session
     from ..gguf_io import read_gguf
     from .arms import parse_arms
-    from .documents import load_jsonl
+    from .documents import load_jsonl, refuse_packed
 
     arms = parse_arms(opts.arms, follows=True)
     out_dir = Path(out_dir)
@@ -413,6 +413,7 @@ def run_facts(model, maps: list, out_dir, opts: FactOptions, log: Callable[[str]
     splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
     if opts.summary_only:
         return summarize_facts_folder(out_dir, list(done.values()), model, maps, splits, opts)
+    refuse_packed(out_dir)
     docs = [d for d in _documents(opts) if len(d[2]) > 4 * max(opts.lengths)]
     if not docs:
         raise ValueError(f"no document is long enough for {max(opts.lengths)} tokens")
@@ -518,10 +519,10 @@ def summarize_facts_folder(out_dir, answers: list[dict], model, maps: list, spli
     from pathlib import Path
 
     from ..util import hardware
-    from .documents import load_jsonl
+    from .documents import jsonl_parts, load_jsonl
 
     out_dir = Path(out_dir)
-    if not (out_dir / "samples.jsonl").exists():
+    if not jsonl_parts(out_dir / "samples.jsonl"):
         raise ValueError(f"--summary-only: {out_dir / 'samples.jsonl'} is missing (no whole run wrote samples there)")
     samples = [FactSample(**r) for r in load_jsonl(out_dir / "samples.jsonl")]
     before = json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").exists() else {}

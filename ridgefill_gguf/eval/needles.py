@@ -26,7 +26,7 @@ from typing import Callable
 
 from ..util import hardware, save_figure, write_atomic
 from .arms import ROW_COUNTS, SelectorOptions, arm_params, parse_arms, selected
-from .documents import append_jsonl, load_jsonl, write_summary
+from .documents import append_jsonl, jsonl_parts, load_jsonl, refuse_packed, write_summary
 from .stats import bootstrap_mean, mean_or_none
 
 TASKS = ("single", "multikey", "multivalue", "multiquery")
@@ -187,6 +187,7 @@ def run_needles(model: str | Path, maps: list[str | Path], out_dir: str | Path, 
     splits = {str(m): int(read_gguf(m).get("ridgefill.split")) for m in maps}
     if opts.summary_only:
         return summarize_folder(out_dir, list(done.values()), model, maps, splits, opts)
+    refuse_packed(out_dir)
 
     libs.use_build("ridgefill")
     n_ctx = max(opts.lengths) + max(MAX_NEW.values()) + 64
@@ -285,7 +286,7 @@ def summarize_folder(out_dir: Path, answers: list[dict], model: str | Path, maps
     and the shards' lists): the samples of the asked tasks, lengths and indices that were answered count. Where
     the answers were made is not known here, so the summary's hardware is left empty and this pass's machine is
     recorded apart."""
-    paths = [p for p in [out_dir / "samples.jsonl", *sorted(out_dir.glob("samples.shard-*.jsonl"))] if p.exists()]
+    paths = [p for p in [out_dir / "samples.jsonl", *sorted(out_dir.glob("samples.shard-*.jsonl"))] if jsonl_parts(p)]
     if not paths:
         raise ValueError(f"--summary-only: {out_dir / 'samples.jsonl'} is missing (no run wrote samples there)")
     found = {s.sample_id: s for p in paths for s in (Sample(**r) for r in load_jsonl(p))}
