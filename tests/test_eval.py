@@ -445,11 +445,20 @@ def test_a_packed_run_reads_as_written_with_rows_appended_since_and_a_facts_run_
         run_facts("model.gguf", [], run, FactOptions())
     assert pack.main([str(tmp_path / "study"), "--unpack"]) == 0
     assert not (run / "results.jsonl.gz").exists() and load_jsonl(run / "results.jsonl") == rows + [late]
-    # the same rows pack to the same bytes, and a row both in the packed file and beside it counts once
+    # the same rows pack to the same bytes, and a row both in the packed file and beside it (a copy, or a pack cut
+    # between its two writes) counts once
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert pack.main([str(tmp_path / "study"), "--min-kb", "1"]) == 0
     assert (run / "results.jsonl.gz").read_bytes() == first
     (run / "results.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert load_jsonl(run / "results.jsonl") == rows
+    # a study copied to be continued: unpacked, and a file already in the copy stays
+    (tmp_path / "work" / "facts-x").mkdir(parents=True)
+    (tmp_path / "work" / "facts-x" / "samples.jsonl").write_text("kept\n")
+    assert pack.main([str(tmp_path / "study"), str(tmp_path / "work"), "--copy-unpacked"]) == 0
+    assert load_jsonl(tmp_path / "work" / "facts-x" / "results.jsonl") == rows
+    assert not list((tmp_path / "work").rglob("*.gz"))
+    assert (tmp_path / "work" / "facts-x" / "samples.jsonl").read_text() == "kept\n"
     assert pack.main([str(tmp_path / "study"), "--unpack"]) == 0
     assert load_jsonl(run / "results.jsonl") == rows
 

@@ -43,13 +43,22 @@ def jsonl_parts(path: Path) -> list[Path]:
     return [p for p in (path.with_name(path.name + ".gz"), path) if p.exists()]
 
 
+def jsonl_lines(path: Path) -> list[str]:
+    """A per-sample file's lines: PATH.gz's, then those of PATH that are not among them (a packed run copied beside
+    its unpacked self, or a pack cut between its two writes, counts once)."""
+    lines: list[str] = []
+    for part in jsonl_parts(path):
+        if part.suffix == ".gz":
+            lines = gzip.decompress(part.read_bytes()).decode().splitlines()
+        else:
+            packed = set(lines)
+            lines += [line for line in part.read_text().splitlines() if line not in packed]
+    return [line for line in lines if line.strip()]
+
+
 def load_jsonl(path: Path) -> list[dict]:
     """The rows a run appended so far (none when it has not started)."""
-    rows = []
-    for part in jsonl_parts(path):
-        text = gzip.decompress(part.read_bytes()).decode() if part.suffix == ".gz" else part.read_text()
-        rows += [json.loads(line) for line in text.splitlines() if line.strip()]
-    return rows
+    return [json.loads(line) for line in jsonl_lines(path)]
 
 
 def refuse_packed(out_dir: Path) -> None:

@@ -31,15 +31,14 @@ mkdir -p "$maps" "$eval_docs"
 # the texts packed (a third of the size, for a call with little room): tar -czf .cache/device/corpus-eval.tgz
 [ -f "$repo/.cache/device/corpus-eval.tgz" ] && tar -xzf "$repo/.cache/device/corpus-eval.tgz" -C "$work" --skip-old-files
 study="$work/study" && mkdir -p "$study"
-# RESUME_FROM: a committed study folder (it travels with the checkout) whose runs this machine continues
-# (its per-sample files unpacked: a run continues them)
-[ -n "${RESUME_FROM:-}" ] && cp -rn "$repo/$RESUME_FROM/." "$study/" &&
-    python3 "$repo/tools/pack_results.py" --unpack "$study" > /dev/null
+# RESUME_FROM: a committed study folder (it travels with the checkout) whose runs this machine continues, its
+# per-sample files unpacked; a file already here stays (jobs side by side copy it at once, and may be appending)
+[ -n "${RESUME_FROM:-}" ] && python3 "$repo/tools/pack_results.py" --copy-unpacked "$repo/$RESUME_FROM" "$study" > /dev/null
 start=$SECONDS deadline=${DEADLINE:-570}
 # a tagged folder's first run starts from another run's exact answers of the same prompts (keyed by prompt alone)
-seed_exact() {  # seed_exact FROM_RESULTS_JSONL OUT_DIR (a committed FROM may be packed: FROM.gz)
-    local from=$1; [ -f "$from" ] || from=$from.gz
-    [ -f "$2/results.jsonl" ] || { mkdir -p "$2" && zcat -f "$from" | grep '"arm": "exact"' > "$2/results.jsonl"; }
+seed_exact() {  # seed_exact FROM_RESULTS_JSONL OUT_DIR: FROM.gz's rows and FROM's, a row in both once
+    [ -f "$2/results.jsonl" ] || { mkdir -p "$2" && for f in "$1.gz" "$1"; do [ -f "$f" ] && zcat -f "$f"; done |
+        grep '"arm": "exact"' | awk '!seen[$0]++' > "$2/results.jsonl"; }
 }
 step() {
     local left=$((deadline - (SECONDS - start) - ${RESERVE:-15})) limit=${STEP_TIMEOUT:-240}
