@@ -79,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--unpack", action="store_true")
     mode.add_argument("--copy-unpacked", action="store_true", help="DIRS are SRC and DEST")
     args = ap.parse_args(argv)
-    if missing := [d for d in args.dirs[:1 if args.copy_unpacked else None] if not d.is_dir()]:
+    if args.copy_unpacked and len(args.dirs) != 2:
+        print("pack_results: --copy-unpacked takes SRC and DEST", file=sys.stderr)
+        return 2
+    read = args.dirs[:1] if args.copy_unpacked else args.dirs  # DEST may not exist yet
+    if missing := [d for d in read if not d.is_dir()]:
         print(f"pack_results: {missing[0]} is not a folder", file=sys.stderr)
         return 2
     if args.copy_unpacked:
-        if len(args.dirs) != 2:
-            print("pack_results: --copy-unpacked takes SRC and DEST", file=sys.stderr)
-            return 2
         print(f"copied {copy_unpacked(*args.dirs)} files into {args.dirs[1]}")
         return 0
     for d in args.dirs:
