@@ -24,9 +24,12 @@ split)
         split -d -a 2 -b "${piece_mib}M" "$model" "$chunks/$name."
         n=$(ls "$chunks/$name".* | wc -l)
         sum=$(sha256sum "$model" | cut -d' ' -f1)
-        grep -v " $name\$" "$repo/tools/gpu/models.sha256" 2>/dev/null > "$repo/tools/gpu/models.sha256.tmp" || true
-        echo "$sum $n $name" >> "$repo/tools/gpu/models.sha256.tmp"
-        mv "$repo/tools/gpu/models.sha256.tmp" "$repo/tools/gpu/models.sha256"
+        # the model's line replaced where it is (a re-split of the same model leaves the tracked file unchanged)
+        sums="$repo/tools/gpu/models.sha256"
+        [ -f "$sums" ] || : > "$sums"
+        awk -v name="$name" -v line="$sum $n $name" '$3 == name { print line; done = 1; next } { print }
+            END { if (!done) print line }' "$sums" > "$sums.tmp"
+        mv "$sums.tmp" "$sums"
         echo "chunks: $name in $n pieces of ${piece_mib} MiB: $(ls "$chunks/$name".* | xargs -n1 basename | tr '\n' ' ')"
     done
     ;;
