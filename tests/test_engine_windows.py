@@ -41,25 +41,44 @@ RING_PROMPT, RING_CTX = TEXT * 3, 1024
 RING_ROWS = [*range(1, 32), 100, 325, 400, 520]
 
 
+def largest_move(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float64) - b).max())
+
+
+# The ring holds a window's cells in another order than the full cache, which moves stock's own logits in their
+# last bits on an AVX2 CPU (the AVX-512 machines gave the same bytes): each arm may move as much, and no more.
+# F32 cells keep that floor low enough for the decode step to show a chunk one row too long (66 times stock's move
+# there on AVX2; the ring's own arms stay within about twice it).
+RING_F32 = {"f32_cache": True}
+
+
+def assert_moves_no_more_than_stock(ring: dict, full: dict, arm: str, stock: str) -> None:
+    floor, moved = largest_move(ring[stock], full[stock]), largest_move(ring[arm], full[arm])
+    print(f"{arm}: one window against every row {moved:.3g}; stock's {floor:.3g}")
+    assert moved <= 4 * floor, (arm, moved, floor)
+
+
 @pytest.mark.parametrize("params", [{}, {"exact_rows": RING_ROWS}, {"probe": [16, 8]}, {"fill": "plumb"}],
                          ids=["plain", "exact-rows", "probe", "plumb"])
-def test_a_one_window_cache_gives_the_bytes_of_a_cache_that_keeps_every_row(params, gemma3, tmp_path):
-    # the tail's rows from the prefill and the stock decode step after it: a cell that held another row when a
-    # chunk read it, or a reached row left unfilled, moves them (a chunk one row longer fails exact-rows)
+def test_a_one_window_cache_moves_ridgefills_logits_no_more_than_stocks_against_a_cache_that_keeps_every_row(
+        params, gemma3, tmp_path):
+    # the tail's rows from the prefill and the stock decode step after it: the same bytes where stock's are the same
+    # (a chunk one row longer fails exact-rows)
     require_builds("ridgefill")
     model, maps = gemma3
     base = {"fill": "ridge", "tail": 40, "min_prefix": 0, **params}
-    runs = [{"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
-    ring, st = run_engine(model, maps, runs, session=ONE_WINDOW, prompt=RING_PROMPT, n_ctx=RING_CTX,
-                          tmp_path=tmp_path)
-    full, st_full = run_engine(model, maps, runs, session=FULL, prompt=RING_PROMPT, n_ctx=RING_CTX,
+    runs = [{"name": "stock_rows", "rows": 40, "stock": True}, {"name": "stock", "stock": True},
+            {"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
+    ring, st = run_engine(model, maps, runs, session={**ONE_WINDOW, **RING_F32}, prompt=RING_PROMPT,
+                          n_ctx=RING_CTX, tmp_path=tmp_path)
+    full, st_full = run_engine(model, maps, runs, session={**FULL, **RING_F32}, prompt=RING_PROMPT, n_ctx=RING_CTX,
                                tmp_path=tmp_path)
     assert len(ring["tokens"]) > 2 * 256
-    for name in ("rows", "decode"):
+    for name, stock in (("rows", "stock_rows"), ("decode", "stock")):
         assert st[name]["applied"] == 1, st[name]
         for key in ("n_filled", "n_exact", "n_probe_exact"):
             assert st[name][key] == st_full[name][key], (name, key)
-        assert ring[name].tobytes() == full[name].tobytes(), name
+        assert_moves_no_more_than_stock(ring, full, name, stock)
     if "probe" not in params:  # (the probe's pass and the second sweep count their skips differently)
         assert st["decode"]["n_fill_skipped"] == st_full["decode"]["n_fill_skipped"]
 
@@ -67,23 +86,23 @@ def test_a_one_window_cache_gives_the_bytes_of_a_cache_that_keeps_every_row(para
 def test_over_a_one_window_cache_probe_rows_reaching_into_the_prefix_see_every_filled_row_they_reach(gemma3,
                                                                                                       tmp_path):
     # 64 probe rows over a 40-row tail, and a listed row among them: the probe's rows reach filled rows that the
-    # known rows' chunks passed without reaching. (Where the probe's rows reach into the prefix the two caches'
-    # logits differ in their last bits, with or without that listed row, and did so before patch 0085 too.)
+    # known rows' chunks passed without reaching
     require_builds("ridgefill")
     model, maps = gemma3
     stock, _ = run_engine(model, maps, [{"name": "stock", "stock": True}], session=ONE_WINDOW, prompt=RING_PROMPT,
                           n_ctx=RING_CTX, tmp_path=tmp_path)
     n = len(stock["tokens"])
     base = {"fill": "ridge", "tail": 40, "min_prefix": 0, "probe": [64, 8], "exact_rows": [n - 50]}
-    runs = [{"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
-    ring, st = run_engine(model, maps, runs, session=ONE_WINDOW, prompt=RING_PROMPT, n_ctx=RING_CTX,
-                          tmp_path=tmp_path)
-    full, st_full = run_engine(model, maps, runs, session=FULL, prompt=RING_PROMPT, n_ctx=RING_CTX,
+    runs = [{"name": "stock_rows", "rows": 40, "stock": True}, {"name": "stock", "stock": True},
+            {"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
+    ring, st = run_engine(model, maps, runs, session={**ONE_WINDOW, **RING_F32}, prompt=RING_PROMPT,
+                          n_ctx=RING_CTX, tmp_path=tmp_path)
+    full, st_full = run_engine(model, maps, runs, session={**FULL, **RING_F32}, prompt=RING_PROMPT, n_ctx=RING_CTX,
                                tmp_path=tmp_path)
-    for name in ("rows", "decode"):
+    for name, stock_name in (("rows", "stock_rows"), ("decode", "stock")):
         assert st[name]["applied"] == 1 and st[name]["n_probe_exact"] == st_full[name]["n_probe_exact"] == 8
         assert st[name]["n_exact"] == st_full[name]["n_exact"]
-        assert np.abs(ring[name] - full[name]).max() <= 1e-5 * np.abs(full[name]).max(), name
+        assert_moves_no_more_than_stock(ring, full, name, stock_name)
 
 
 def test_a_one_window_cache_unified_over_several_sequences_is_refused_by_name(gemma3, tmp_path):
@@ -318,7 +337,9 @@ def test_with_flash_attention_plumb_moves_gemma_3_270m_less_than_stock_moves_bet
                           session={**fa, "n_batch": 512, "n_ubatch": 512}, tmp_path=tmp_path)
     floor, moved = kl(arrays["stock"], other["stock"]), kl(arrays["stock"], arrays["plumb"])
     print(f"plumb against stock with flash attention: KL {moved:.3g}; stock at ubatch 32 against 512: {floor:.3g}")
-    assert stats["plumb"]["applied"] == 1 and arrays["plumb"].argmax() == arrays["stock"].argmax()
+    # (on an AVX2 CPU the two ubatches' own top tokens differ: this prompt's first two are close)
+    assert stats["plumb"]["applied"] == 1 and arrays["plumb"].argmax() in {arrays["stock"].argmax(),
+                                                                          other["stock"].argmax()}
     assert floor > 1e-3 and moved <= floor, (moved, floor)
 
 
