@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +34,34 @@ def require_builds(*builds: str) -> None:
         if os.environ.get("CI"):
             pytest.fail(f"build(s) {missing} missing in CI: `make test` builds them first")
         pytest.skip(f"build(s) {missing} not built: run `make build`")
+
+
+def describe_difference(a: np.ndarray, b: np.ndarray) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{a.shape} {a.dtype} against {b.shape} {b.dtype}"
+    raw = f"u{a.dtype.itemsize}"
+    differ = np.flatnonzero(a.reshape(-1).view(raw) != b.reshape(-1).view(raw))
+    first = tuple(int(i) for i in np.unravel_index(differ[0], a.shape))
+    largest = np.nanmax(np.abs(a.reshape(-1)[differ].astype(np.float64) - b.reshape(-1)[differ]))
+    return f"{differ.size} of {a.size} values differ, the first at {first}, the largest by {largest:.3g}"
+
+
+def as_array(x) -> np.ndarray:
+    return np.frombuffer(x, np.uint8) if isinstance(x, (bytes, bytearray)) else np.asarray(x)
+
+
+def assert_same_bytes(a, b, what: object = "") -> None:
+    """The two arrays' (or files') bytes are the same, or an AssertionError that says how they differ. (pytest's
+    own explanation of two unequal megabyte `bytes` runs difflib over them, which under CI=true never ends.)"""
+    a, b = as_array(a), as_array(b)
+    if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
+        raise AssertionError(f"{what}: {describe_difference(a, b)}" if what != "" else describe_difference(a, b))
+
+
+def assert_bytes_differ(a, b, what: object = "") -> None:
+    a, b = as_array(a), as_array(b)
+    if a.tobytes() == b.tobytes():
+        raise AssertionError(f"{what}: the two {a.shape} {a.dtype} arrays have the same bytes")
 
 
 def run_py(code: str, build: str | None = None, check: bool = True,

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import require_builds, run_py
+from conftest import assert_bytes_differ, assert_same_bytes, require_builds, run_py
 from ridgefill_gguf import equivalence as eq
 from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
 from ridgefill_gguf.maps.convert import convert
@@ -118,11 +118,11 @@ def test_plumb_oracle_and_nothing_filled_give_stock_bytes_on_a_hybrid_and_decodi
     session = {"flash_attn": flash_attn, "f32_cache": True}
     arrays, stats = run_engine(model, maps, runs, session=session, tokens=tokens, tmp_path=tmp_path)
     assert stats["plumb"]["applied"] == 1 and stats["oracle"]["applied"] == 1
-    assert arrays["plumb"].tobytes() == arrays["stock"].tobytes()
-    assert arrays["oracle"].tobytes() == arrays["stock"].tobytes()
+    assert_same_bytes(arrays["plumb"], arrays["stock"])
+    assert_same_bytes(arrays["oracle"], arrays["stock"])
     assert stats["nothing_filled"]["applied"] == 1 and stats["nothing_filled"]["n_filled"] == 0
-    assert arrays["nothing_filled"].tobytes() == arrays["stock"].tobytes()
-    assert arrays["plumb_rows"].tobytes() == arrays["stock_rows"].tobytes()
+    assert_same_bytes(arrays["nothing_filled"], arrays["stock"])
+    assert_same_bytes(arrays["plumb_rows"], arrays["stock_rows"])
     if not flash_attn:  # flash attention's F16 internals put llama.cpp itself 4e-4 from NumPy
         assert rel(arrays["stock_rows"], stock_forward(ref, tokens)[0][-TAIL:]) < TOLERANCE
 
@@ -174,7 +174,7 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_hybrid(hybri
                                tmp_path=tmp_path)
         out[placement] = arrays
     for run in runs:
-        assert out["resident"][run["name"]].tobytes() == out["streamed"][run["name"]].tobytes(), run["name"]
+        assert_same_bytes(out["resident"][run["name"]], out["streamed"][run["name"]], run["name"])
 
 
 def test_the_carrys_chunk_moves_the_logits_only_by_float_rounding_on_a_hybrid(hybrid, tmp_path):
@@ -188,7 +188,7 @@ def test_the_carrys_chunk_moves_the_logits_only_by_float_rounding_on_a_hybrid(hy
     arrays, stats = run_engine(model, maps, runs, tokens=tokens, tmp_path=tmp_path)
     for arm in arms:
         assert stats[f"{arm}|0"]["n_filled"] > 0
-        assert arrays[f"{arm}|48"].tobytes() == arrays[f"{arm}|0"].tobytes(), arm
+        assert_same_bytes(arrays[f"{arm}|48"], arrays[f"{arm}|0"], arm)
         for rc in (1, 7, 100):
             assert rel(arrays[f"{arm}|{rc}"], arrays[f"{arm}|0"]) <= 1e-5, (arm, rc)
 
@@ -220,9 +220,9 @@ def test_upstreams_chunked_state_update_follows_the_numpy_hybrid_arm_and_the_fus
                   f"{moved:.2e} from the fused op")
             assert stats[f"{name}|chunked|{rc}"]["n_filled"] > 0
             assert err < TOLERANCE and moved <= 1e-5, (name, rc, err, moved)
-            assert chunked.tobytes() != fused.tobytes(), (name, rc)  # the other graph ran
-        assert arrays[f"{name}|blocked|0"].tobytes() == fused.tobytes(), name
-    assert arrays["default"].tobytes() == arrays["ridge|blocked|0"].tobytes()
+            assert_bytes_differ(chunked, fused, (name, rc))  # the other graph ran
+        assert_same_bytes(arrays[f"{name}|blocked|0"], fused, name)
+    assert_same_bytes(arrays["default"], arrays["ridge|blocked|0"])
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_the_terminal_state_correction_matches_numpy_and_is_off_by_default(hybri
             {"name": "rows", "rows": TAIL, "params": base(state_correction=True, exact_rows=[5, 17, 40])}]
     arrays, stats = run_engine(model, with_deltas, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
     plain, _ = run_engine(model, maps, runs[:1], session=TIGHT, tokens=tokens, tmp_path=tmp_path)
-    assert arrays["off"].tobytes() == plain["off"].tobytes()  # offsets in the file change nothing while off
+    assert_same_bytes(arrays["off"], plain["off"])  # offsets in the file change nothing while off
     assert stats["off"]["n_state_corrected"] == 0 and stats["on"]["n_state_corrected"] == 3
     for name, rows in (("on", ()), ("rows", (5, 17, 40))):
         want, info = hybrid_ridgefill_forward(ref, tokens, SPLIT, TAIL, "ridge", mats, exact_rows=rows,
@@ -347,7 +347,7 @@ def test_qwen3next_off_is_byte_identical_to_upstream_and_plumb_oracle_and_nothin
     arrays, stats = run_engine(model, maps, runs, session=TIGHT, tokens=tokens, tmp_path=tmp_path)
     for name in ("plumb", "oracle", "nothing_filled"):
         assert stats[name]["applied"] == 1
-        assert arrays[name].tobytes() == arrays["stock"].tobytes(), name
+        assert_same_bytes(arrays[name], arrays["stock"], name)
 
 
 def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed_maps_alike(next_hybrid, tmp_path):
@@ -370,7 +370,7 @@ def test_qwen3next_fills_probes_rescales_and_corrects_with_resident_and_streamed
                                     tmp_path=tmp_path)
     arrays, stats = out["resident"]
     for run in runs:
-        assert out["resident"][0][run["name"]].tobytes() == out["streamed"][0][run["name"]].tobytes(), run["name"]
+        assert_same_bytes(out["resident"][0][run["name"]], out["streamed"][0][run["name"]], run["name"])
         assert np.isfinite(arrays[run["name"]]).all()
     for a, b in (("ridge", "identity"), ("ridge", "probe"), ("ridge", "rescale"), ("ridge", "corrected"),
                  ("stock", "ridge")):

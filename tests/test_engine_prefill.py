@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, require_builds
+from conftest import ROOT, assert_same_bytes, require_builds
 from ridgefill_gguf import equivalence as eq
 from ridgefill_gguf.gguf_io import read_gguf, tensor_f32
 from ridgefill_gguf.maps.convert import convert
@@ -109,7 +109,7 @@ def test_a_stock_prefill_after_ridgefill_prefills_gives_the_bytes_of_one_before_
             {"name": "probe", "params": {**base, "probe": [16, 8]}}, {"name": "after", "stock": True}]
     arrays, stats = run_engine(model, maps, runs, session={"flash_attn": flash_attn}, tmp_path=tmp_path)
     assert stats["ridge"]["applied"] == 1 and stats["probe"]["applied"] == 1
-    assert arrays["before"].tobytes() == arrays["after"].tobytes()
+    assert_same_bytes(arrays["before"], arrays["after"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -319,7 +319,7 @@ def test_masks_made_in_the_graphs_give_the_bytes_of_llama_cpps_host_made_masks(f
     for name in ("ridge", "probe", "attention", "none"):
         assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
         assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
-        assert device[name].tobytes() == host[name].tobytes(), name
+        assert_same_bytes(device[name], host[name], name)
 
 
 def test_resident_and_streamed_maps_give_byte_identical_logits(deep_tiny, tmp_path):
@@ -328,7 +328,7 @@ def test_resident_and_streamed_maps_give_byte_identical_logits(deep_tiny, tmp_pa
     runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": 40, "chunk": 64}}]
     resident, _ = run_engine(model, maps, runs, tmp_path=tmp_path)
     streamed, _ = run_engine(model, maps, runs, session={"placement": "streamed"}, tmp_path=tmp_path)
-    assert resident["ridge"].tobytes() == streamed["ridge"].tobytes()
+    assert_same_bytes(resident["ridge"], streamed["ridge"])
 
 
 def test_rows_are_counted_and_special_tokens_always_run_exactly(deep_tiny, tmp_path):
@@ -355,7 +355,7 @@ def test_a_prompt_too_short_for_ridgefill_takes_the_stock_path_untouched(deep_ti
     arrays, stats = run_engine(model, maps, runs, tmp_path=tmp_path)
     assert stats["short"]["applied"] == 0
     assert "min_prefix 4096" in stats["short"]["reason"]
-    assert arrays["short"].tobytes() == arrays["stock"].tobytes()
+    assert_same_bytes(arrays["short"], arrays["stock"])
 
 
 def as_architecture(src, dst, arch: str):

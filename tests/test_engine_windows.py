@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import require_builds
+from conftest import assert_bytes_differ, assert_same_bytes, require_builds
 from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
@@ -142,7 +142,8 @@ def test_a_one_window_cache_refuses_by_name_what_runs_every_exact_row_layer_by_l
             {"name": "arm", "params": {"fill": "ridge", "tail": 40, "min_prefix": 0, **params}}]
     arrays, st = run_engine(model, maps, runs, session=ONE_WINDOW, prompt=RING_PROMPT, n_ctx=RING_CTX,
                             tmp_path=tmp_path)
-    assert st["arm"]["applied"] == 0 and arrays["arm"].tobytes() == arrays["stock"].tobytes()
+    assert st["arm"]["applied"] == 0
+    assert_same_bytes(arrays["arm"], arrays["stock"])
     assert "layer by layer, which a one-window cache cannot hold" in st["arm"]["reason"]
     assert "--swa-full" in st["arm"]["reason"]
 
@@ -166,7 +167,7 @@ def test_plumb_oracle_and_nothing_filled_reproduce_stock_on_a_sliding_window_mod
         assert arrays[name].argmax() == stock.argmax(), name
         assert kl(stock, arrays[name]) < 1e-6, (name, kl(stock, arrays[name]))
     if not flash_attn:  # the same kernels over the same cells
-        assert arrays["plumb"].tobytes() == stock.tobytes()
+        assert_same_bytes(arrays["plumb"], stock)
     assert stats["oracle"]["n_filled"] == stats["ridge"]["n_filled"] > 150
     assert kl(stock, arrays["ridge"]) > 1e-6
 
@@ -179,7 +180,7 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_sliding_wind
     resident, _ = run_engine(model, maps, runs, session=FULL, tmp_path=tmp_path)
     streamed, _ = run_engine(model, maps, runs, session={"placement": "streamed", **FULL}, tmp_path=tmp_path)
     for name in ("ridge", "probe"):
-        assert resident[name].tobytes() == streamed[name].tobytes(), name
+        assert_same_bytes(resident[name], streamed[name], name)
 
 
 def test_the_probe_ranks_rows_by_the_global_layers_and_keeps_them_exact(gemma3, tmp_path):
@@ -191,7 +192,7 @@ def test_the_probe_ranks_rows_by_the_global_layers_and_keeps_them_exact(gemma3, 
     st = stats["probe"]
     assert st["applied"] == 1 and st["n_probe"] == 16 and st["n_probe_exact"] == 8
     assert st["n_filled"] == stats["ridge"]["n_filled"] - 8
-    assert arrays["probe"].tobytes() != arrays["ridge"].tobytes()
+    assert_bytes_differ(arrays["probe"], arrays["ridge"])
 
 
 @pytest.mark.parametrize("params", [{}, {"exact_rows": [40, 41, 120]}, {"probe": [16, 8]}],
@@ -208,7 +209,7 @@ def test_a_windowed_layer_skips_the_rows_no_reader_reaches_and_every_logit_stays
     every, st_every = run_engine(model, maps, runs, session=FULL, tmp_path=tmp_path,
                                  env={"LLAMA_RIDGEFILL_FULL_WINDOW_FILL": "1"})
     for name in ("rows", "decode"):
-        assert skipped[name].tobytes() == every[name].tobytes(), name
+        assert_same_bytes(skipped[name], every[name], name)
     assert st_every["decode"]["n_fill_skipped"] == 0
     n_filled = st["decode"]["n_filled"]
     if not params:  # the tail's first row reaches the 31 rows before it; the two windowed late layers skip the rest
@@ -320,7 +321,7 @@ def test_plumb_and_the_oracle_reproduce_stock_and_streamed_maps_the_resident_byt
     assert stats["ridge"]["n_fill_skipped"] > 0 and kl(arrays["stock"], arrays["ridge"]) > 1e-6
     streamed, _ = run_engine(model, maps, runs[-1:], prompt=LONG, n_ctx=2048,
                              session={"placement": "streamed", **FULL}, tmp_path=tmp_path)
-    assert streamed["ridge"].tobytes() == arrays["ridge"].tobytes()
+    assert_same_bytes(streamed["ridge"], arrays["ridge"])
 
 
 def test_with_flash_attention_plumb_moves_gemma_3_270m_less_than_stock_moves_between_two_ubatch_sizes(
@@ -359,7 +360,7 @@ def test_masks_made_in_the_graphs_with_the_window_give_the_bytes_of_llama_cpps_h
     for name, _ in arms:
         assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
         assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
-        assert device[name].tobytes() == host[name].tobytes(), name
+        assert_same_bytes(device[name], host[name], name)
 
 
 def test_a_one_window_cache_restores_checkpoints_of_approximated_cells_only_for_requests_that_may_reuse_them(

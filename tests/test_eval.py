@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, require_builds, tiny_qwen3_with_random_maps
+from conftest import ROOT, assert_same_bytes, require_builds, tiny_qwen3_with_random_maps
 from ridgefill_gguf.eval.stats import binomial_floor, bootstrap_mean, noninferiority
 from ridgefill_gguf.eval.tokens import key_mask, novel_mask, token_nll
 
@@ -449,7 +449,7 @@ def test_a_packed_run_reads_as_written_with_rows_appended_since_and_a_facts_run_
     # between its two writes) counts once
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert pack.main([str(tmp_path / "study"), "--min-kb", "1"]) == 0
-    assert (run / "results.jsonl.gz").read_bytes() == first
+    assert_same_bytes((run / "results.jsonl.gz").read_bytes(), first)
     (run / "results.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert load_jsonl(run / "results.jsonl") == rows
     # a study copied to be continued: unpacked, and a file already in the copy stays

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import require_builds, run_py
+from conftest import assert_same_bytes, require_builds, run_py
 from ridgefill_gguf.cli import main
 from ridgefill_gguf.fit.capture import OUTLIER_FACTOR, row_mask
 from ridgefill_gguf.fit.run import FitError, HeldOut, check_memory, evaluate
@@ -146,7 +146,7 @@ r = fit(Path({str(deep_qwen3)!r}), [Path({str(calib)!r})], [Path({str(held)!r})]
     result = CliRunner().invoke(main, ["solve", str(out.with_name("maps.sums.npz")), "--model", str(deep_qwen3),
                                        "--lambdas", "1e-3,1e-1", "-o", str(again)])
     assert result.exit_code == 0, result.output
-    assert again.read_bytes() == out.read_bytes()
+    assert_same_bytes(again.read_bytes(), out.read_bytes())
     result = CliRunner().invoke(main, ["solve", str(out.with_name("maps.sums.npz")), "--model", str(deep_qwen3),
                                        "--lambda", "0.5", "--split", "2", "-o", str(tmp_path / "x.gguf")])
     assert result.exit_code != 0 and "no sums for split(s) [2]" in result.output
@@ -258,7 +258,7 @@ for name, group in (("all", None), ("g2", (2, 2)), ("g3", (3, 3))):
     result = CliRunner().invoke(main, ["merge", str(tmp_path / "g3.gguf"), str(tmp_path / "g2.gguf"),
                                        "-o", str(tmp_path / "merged.gguf")])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "merged.gguf").read_bytes() == (tmp_path / "all.gguf").read_bytes()
+    assert_same_bytes((tmp_path / "merged.gguf").read_bytes(), (tmp_path / "all.gguf").read_bytes())
     result = CliRunner().invoke(main, ["merge", str(tmp_path / "g2.gguf"), str(tmp_path / "all.gguf"),
                                        "-o", str(tmp_path / "twice.gguf")])
     assert result.exit_code != 0 and "layer 2 is in both" in result.output

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import require_cuda_builds
+from conftest import assert_bytes_differ, assert_same_bytes, require_cuda_builds
 from test_engine_hybrid import SPLIT, TAIL, base, hybrid, numpy_ranked, rel, slow_decay_hybrid  # noqa: F401
 from test_engine_prefill import kl, run_engine
 from ridgefill_gguf.reference_hybrid_ridgefill import hybrid_probe_scores, hybrid_ridgefill_forward, stock_forward
@@ -31,7 +31,7 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_hybrid_on_cu
     out = {p: run_engine(model, maps, runs, session={**GPU, "placement": p}, tokens=tokens, tmp_path=tmp_path)[0]
            for p in ("resident", "streamed")}
     for run in runs:
-        assert out["resident"][run["name"]].tobytes() == out["streamed"][run["name"]].tobytes(), run["name"]
+        assert_same_bytes(out["resident"][run["name"]], out["streamed"][run["name"]], run["name"])
 
 
 def test_plumb_and_oracle_on_a_hybrid_stay_within_the_noise_floor_on_cuda(hybrid, tmp_path):
@@ -108,9 +108,9 @@ def test_the_blocked_state_update_follows_numpy_and_the_row_walk_to_float_roundi
         print(f"{name}: blocked rel {err_b:.2e} against NumPy, row walk {err_f:.2e}, moved {moved:.2e} "
               f"(stock on CUDA against NumPy: {floor:.2e})")
         assert stats[f"{name}|blocked"]["n_filled"] > 200
-        assert blocked.tobytes() != fused.tobytes(), name  # the blocked kernel ran
+        assert_bytes_differ(blocked, fused, name)  # the blocked kernel ran
         assert err_b < max(3 * floor, 1e-4) and moved < max(3 * floor, 1e-4), (name, err_b, moved, floor)
-    assert arrays["default"].tobytes() == arrays["ridge|blocked"].tobytes()
+    assert_same_bytes(arrays["default"], arrays["ridge|blocked"])
 
 
 def test_a_carry_graph_that_reads_only_the_states_leaves_the_outputs_unwritten_without_moving_a_byte_on_cuda(
@@ -131,5 +131,5 @@ def test_a_carry_graph_that_reads_only_the_states_leaves_the_outputs_unwritten_w
         assert stats["ridge"]["n_filled"] > 200
     for run in runs:
         assert np.isfinite(out["nan"][run["name"]]).all(), run["name"]
-        assert out[""][run["name"]].tobytes() == out["nan"][run["name"]].tobytes() == \
-            out["write"][run["name"]].tobytes(), run["name"]
+        assert_same_bytes(out["nan"][run["name"]], out[""][run["name"]], run["name"])
+        assert_same_bytes(out["write"][run["name"]], out[""][run["name"]], run["name"])

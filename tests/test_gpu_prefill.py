@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from conftest import require_cuda_builds
+from conftest import assert_same_bytes, require_cuda_builds
 from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file, write_random_maps
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
@@ -38,7 +38,7 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_cuda(model_and
     streamed, st = run_engine(model, maps, runs, session={**GPU, "placement": "streamed"}, prompt=LONG,
                               n_ctx=2048, tmp_path=tmp_path)
     assert st["ridge"]["applied"] == 1 and st["ridge"]["n_filled"] > 0
-    assert resident["ridge"].tobytes() == streamed["ridge"].tobytes()
+    assert_same_bytes(resident["ridge"], streamed["ridge"])
 
 
 def test_streamed_maps_give_the_resident_bytes_with_the_probe_when_each_fill_outlasts_the_next_copy_on_cuda(
@@ -59,7 +59,7 @@ def test_streamed_maps_give_the_resident_bytes_with_the_probe_when_each_fill_out
                          tmp_path=tmp_path) for p in ("resident", "streamed")}
     for run in runs:
         assert out["streamed"][1][run["name"]]["applied"] == 1, run["name"]
-        assert out["resident"][0][run["name"]].tobytes() == out["streamed"][0][run["name"]].tobytes(), run["name"]
+        assert_same_bytes(out["resident"][0][run["name"]], out["streamed"][0][run["name"]], run["name"])
 
 
 def test_plumb_oracle_and_nothing_filled_stay_within_the_noise_floor_on_cuda(model_and_maps, tmp_path):
@@ -133,7 +133,7 @@ def test_masks_made_in_the_graphs_give_the_bytes_of_llama_cpps_host_made_masks_o
     for name in ("ridge", "probe"):
         assert st[name]["applied"] == 1 and st[name]["exact_rows"] == st_host[name]["exact_rows"]
         assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
-        assert device[name].tobytes() == host[name].tobytes(), name
+        assert_same_bytes(device[name], host[name], name)
 
 
 def test_sweep_one_and_the_stock_prefills_after_ridgefill_never_reallocate_between_ubatches_on_cuda(model_and_maps,
@@ -152,4 +152,4 @@ def test_sweep_one_and_the_stock_prefills_after_ridgefill_never_reallocate_betwe
     logits, st = run_engine(model, maps, runs, session=GPU, prompt=LONG, n_ctx=2048, tmp_path=tmp_path,
                             env={"GGML_SCHED_DEBUG_REALLOC": "1"})
     assert st["ridge"]["applied"] == 1
-    assert logits["stock-before"].tobytes() == logits["stock-after"].tobytes()
+    assert_same_bytes(logits["stock-before"], logits["stock-after"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import require_cuda_builds
+from conftest import assert_same_bytes, require_cuda_builds
 from test_engine_prefill import kl, reference_and_maps, run_engine
 from test_engine_windows import FULL, LONG, SPLIT, gemma3, gemma3_270m  # noqa: F401  (fixtures)
 
@@ -25,7 +25,7 @@ def test_resident_and_streamed_maps_give_byte_identical_logits_on_a_sliding_wind
     out = {p: run_engine(model, maps, runs, session={**GPU, "placement": p}, tmp_path=tmp_path)[0]
            for p in ("resident", "streamed")}
     for run in runs:
-        assert out["resident"][run["name"]].tobytes() == out["streamed"][run["name"]].tobytes(), run["name"]
+        assert_same_bytes(out["resident"][run["name"]], out["streamed"][run["name"]], run["name"])
 
 
 def test_plumb_oracle_and_nothing_filled_on_a_sliding_window_model_stay_within_the_noise_floor_on_cuda(gemma3,
@@ -56,7 +56,7 @@ def test_the_window_aware_fill_gives_the_bytes_of_the_full_fill_on_cuda(params, 
                           env={"LLAMA_RIDGEFILL_FULL_WINDOW_FILL": "1"})
     assert st["decode"]["n_fill_skipped"] > 0
     for name in ("rows", "decode"):
-        assert skipped[name].tobytes() == every[name].tobytes(), name
+        assert_same_bytes(skipped[name], every[name], name)
 
 
 def test_the_window_aware_fill_with_the_probe_keeps_its_rows_and_stays_within_the_noise_floor_on_cuda(gemma3,
@@ -93,7 +93,7 @@ def test_masks_made_in_the_graphs_with_the_window_give_the_bytes_of_host_made_ma
     for name, _ in arms:
         assert (st[name]["device_mask"], st_host[name]["device_mask"]) == (1, 0), "each path ran"
         assert st[name]["exact_rows"] == st_host[name]["exact_rows"], name
-        assert device[name].tobytes() == host[name].tobytes(), name
+        assert_same_bytes(device[name], host[name], name)
 
 
 def test_the_ridge_arm_on_a_sliding_window_model_stays_near_numpy_on_cuda(gemma3, tmp_path):
