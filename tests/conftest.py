@@ -42,26 +42,35 @@ def describe_difference(a: np.ndarray, b: np.ndarray) -> str:
     raw = f"u{a.dtype.itemsize}"
     differ = np.flatnonzero(a.reshape(-1).view(raw) != b.reshape(-1).view(raw))
     first = tuple(int(i) for i in np.unravel_index(differ[0], a.shape))
-    largest = np.nanmax(np.abs(a.reshape(-1)[differ].astype(np.float64) - b.reshape(-1)[differ]))
-    return f"{differ.size} of {a.size} values differ, the first at {first}, the largest by {largest:.3g}"
+    with np.errstate(invalid="ignore"):
+        gaps = np.abs(a.reshape(-1)[differ].astype(np.float64) - b.reshape(-1)[differ])
+    finite = gaps[np.isfinite(gaps)]
+    largest = f", the largest by {finite.max():.3g}" if finite.size else ""
+    other = f", {gaps.size - finite.size} of them NaN or infinite" if finite.size < gaps.size else ""
+    return f"{differ.size} of {a.size} values differ, the first at {first}{largest}{other}"
 
 
 def as_array(x) -> np.ndarray:
     return np.frombuffer(x, np.uint8) if isinstance(x, (bytes, bytearray)) else np.asarray(x)
 
 
+def failure(what: object, why: str) -> AssertionError:
+    return AssertionError(f"{what}: {why}" if what != "" else why)
+
+
 def assert_same_bytes(a, b, what: object = "") -> None:
-    """The two arrays' (or files') bytes are the same, or an AssertionError that says how they differ. (pytest's
-    own explanation of two unequal megabyte `bytes` runs difflib over them, which under CI=true never ends.)"""
+    """The two arrays' (or byte strings') shapes, types and bytes are the same, or an AssertionError that says how
+    they differ. (pytest's own explanation of two unequal megabyte `bytes` runs difflib over them, which under
+    CI=true never ends.)"""
     a, b = as_array(a), as_array(b)
     if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
-        raise AssertionError(f"{what}: {describe_difference(a, b)}" if what != "" else describe_difference(a, b))
+        raise failure(what, describe_difference(a, b))
 
 
 def assert_bytes_differ(a, b, what: object = "") -> None:
     a, b = as_array(a), as_array(b)
     if a.tobytes() == b.tobytes():
-        raise AssertionError(f"{what}: the two {a.shape} {a.dtype} arrays have the same bytes")
+        raise failure(what, f"the {a.shape} {a.dtype} and {b.shape} {b.dtype} arrays have the same bytes")
 
 
 def run_py(code: str, build: str | None = None, check: bool = True,

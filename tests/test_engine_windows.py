@@ -42,28 +42,29 @@ RING_ROWS = [*range(1, 32), 100, 325, 400, 520]
 
 
 def largest_move(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.abs(a.astype(np.float64) - b).max())
 
 
 # The ring holds a window's cells in another order than the full cache, which moves stock's own logits in their
-# last bits on an AVX2 CPU (the AVX-512 machines gave the same bytes): each arm may move as much, and no more.
-# F32 cells keep that floor low enough for the decode step to show a chunk one row too long (66 times stock's move
-# there on AVX2; the ring's own arms stay within about twice it).
+# last bits on an AVX2 CPU (the AVX-512 machines gave the same bytes with F16 cells). Each arm may move up to 4 times
+# stock's move, or a small share of the logits' scale where stock does not move (measured on AVX2 with F32 cells, at
+# the decode step: stock 3.7e-7, the arms up to 7.6e-7, a chunk one row too long 2.5e-5, about 3e-5 of the scale).
 RING_F32 = {"f32_cache": True}
 
 
-def assert_moves_no_more_than_stock(ring: dict, full: dict, arm: str, stock: str) -> None:
+def assert_moves_about_as_much_as_stock(ring: dict, full: dict, arm: str, stock: str, share: float) -> None:
     floor, moved = largest_move(ring[stock], full[stock]), largest_move(ring[arm], full[arm])
-    print(f"{arm}: one window against every row {moved:.3g}; stock's {floor:.3g}")
-    assert moved <= 4 * floor, (arm, moved, floor)
+    scale = float(np.abs(full[arm]).max())
+    print(f"{arm}: one window against every row {moved:.3g}; stock's {floor:.3g}; scale {scale:.3g}")
+    assert moved <= max(4 * floor, share * scale), (arm, moved, floor, scale)
 
 
 @pytest.mark.parametrize("params", [{}, {"exact_rows": RING_ROWS}, {"probe": [16, 8]}, {"fill": "plumb"}],
                          ids=["plain", "exact-rows", "probe", "plumb"])
-def test_a_one_window_cache_moves_ridgefills_logits_no_more_than_stocks_against_a_cache_that_keeps_every_row(
+def test_a_one_window_cache_moves_ridgefills_logits_about_as_much_as_stocks_against_a_cache_that_keeps_every_row(
         params, gemma3, tmp_path):
-    # the tail's rows from the prefill and the stock decode step after it: the same bytes where stock's are the same
-    # (a chunk one row longer fails exact-rows)
+    # the tail's rows from the prefill and the stock decode step after it (a chunk one row longer fails exact-rows)
     require_builds("ridgefill")
     model, maps = gemma3
     base = {"fill": "ridge", "tail": 40, "min_prefix": 0, **params}
@@ -78,7 +79,7 @@ def test_a_one_window_cache_moves_ridgefills_logits_no_more_than_stocks_against_
         assert st[name]["applied"] == 1, st[name]
         for key in ("n_filled", "n_exact", "n_probe_exact"):
             assert st[name][key] == st_full[name][key], (name, key)
-        assert_moves_no_more_than_stock(ring, full, name, stock)
+        assert_moves_about_as_much_as_stock(ring, full, name, stock, share=2e-6)
     if "probe" not in params:  # (the probe's pass and the second sweep count their skips differently)
         assert st["decode"]["n_fill_skipped"] == st_full["decode"]["n_fill_skipped"]
 
@@ -86,7 +87,8 @@ def test_a_one_window_cache_moves_ridgefills_logits_no_more_than_stocks_against_
 def test_over_a_one_window_cache_probe_rows_reaching_into_the_prefix_see_every_filled_row_they_reach(gemma3,
                                                                                                       tmp_path):
     # 64 probe rows over a 40-row tail, and a listed row among them: the probe's rows reach filled rows that the
-    # known rows' chunks passed without reaching
+    # known rows' chunks passed without reaching. (Where the probe's rows reach into the prefix the two caches'
+    # logits differed in their last bits on AVX-512 too, with or without that listed row, and before patch 0085.)
     require_builds("ridgefill")
     model, maps = gemma3
     stock, _ = run_engine(model, maps, [{"name": "stock", "stock": True}], session=ONE_WINDOW, prompt=RING_PROMPT,
@@ -102,7 +104,7 @@ def test_over_a_one_window_cache_probe_rows_reaching_into_the_prefix_see_every_f
     for name, stock_name in (("rows", "stock_rows"), ("decode", "stock")):
         assert st[name]["applied"] == 1 and st[name]["n_probe_exact"] == st_full[name]["n_probe_exact"] == 8
         assert st[name]["n_exact"] == st_full[name]["n_exact"]
-        assert_moves_no_more_than_stock(ring, full, name, stock_name)
+        assert_moves_about_as_much_as_stock(ring, full, name, stock_name, share=1e-5)
 
 
 def test_a_one_window_cache_unified_over_several_sequences_is_refused_by_name(gemma3, tmp_path):

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
+from conftest import assert_same_bytes
 from ridgefill_gguf.cli import main
 from ridgefill_gguf.gguf_io import GGUFFormatError, read_gguf
 from ridgefill_gguf.maps import format as fmt
@@ -845,10 +846,10 @@ def test_an_existing_output_is_kept_without_force_and_replaced_with_it(tmp_path)
 
     with pytest.raises(ConvertError, match="--force"):
         convert(src, out, outtype="f16")
-    assert out.read_bytes() == before
+    assert_same_bytes(out.read_bytes(), before)
     result = cli("convert", src, "-o", out, "--outtype", "f16")
     assert_clean_failure(result, "maps.gguf", "--force")
-    assert out.read_bytes() == before
+    assert_same_bytes(out.read_bytes(), before)
 
     result = cli("convert", src, "-o", out, "--outtype", "f16", "--force")
     assert result.exit_code == 0, result.output
@@ -861,7 +862,7 @@ def test_an_existing_output_is_kept_without_force_and_replaced_with_it(tmp_path)
     after_force = out.read_bytes()
     with pytest.raises(ConvertError, match="NaN/Inf"):
         convert(src, out, force=True)
-    assert out.read_bytes() == after_force
+    assert_same_bytes(out.read_bytes(), after_force)
     assert [p.name for p in out_dir.iterdir()] == ["maps.gguf"]
 
 

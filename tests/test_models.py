@@ -6,6 +6,7 @@ import zipfile
 
 import pytest
 
+from conftest import assert_same_bytes
 from ridgefill_gguf import models
 
 
@@ -52,7 +53,8 @@ def test_assembly_writes_the_model_when_the_checksum_holds(tmp_path, monkeypatch
     payload = b"GGUF-payload" * 1000
     monkeypatch.setitem(models.MODELS, "fake", _fake_source(tmp_path, payload, hashlib.sha256(payload).hexdigest()))
     out = models.fetch("fake", tmp_path / "models", log=lambda _: None)
-    assert out.read_bytes() == payload and out.stat().st_mode & 0o644 == 0o644
+    assert_same_bytes(out.read_bytes(), payload)
+    assert out.stat().st_mode & 0o644 == 0o644
 
 
 def test_an_unknown_model_is_refused_by_name():

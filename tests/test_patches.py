@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, load_tool
+from conftest import ROOT, assert_same_bytes, load_tool
 
 patches = load_tool("patches")
 VENDOR = ROOT / "vendor" / "llama.cpp"
@@ -68,7 +68,7 @@ def test_apply_then_export_gives_back_the_same_series(scratch_repo, tmp_path):
     assert patches.export(scratch_repo, out) == len(patches.series())
     for ours, theirs in zip(patches.series(), patches.series(out)):
         assert ours.name == theirs.name
-        assert ours.read_bytes() == theirs.read_bytes()
+        assert_same_bytes(ours.read_bytes(), theirs.read_bytes(), ours.name)
 
 
 def test_export_writes_a_new_commit_as_the_next_patch(scratch_repo, tmp_path):

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
+from conftest import assert_same_bytes
 from ridgefill_gguf.paths import project_root
 from ridgefill_gguf.random_gguf import (
     SUPPORTED_ARCHS, ModelShape, default_vocab, main, read_gguf_metadata, tensor_specs, tiny_shape,
@@ -90,7 +91,7 @@ def test_the_same_seed_gives_identical_bytes_and_another_seed_other_weights(arch
     again = write_random_model(tmp_path / "again.gguf", tiny_shape(arch), seed=0)
     other = write_random_model(tmp_path / "other.gguf", tiny_shape(arch), seed=1)
     first = tiny_models[arch].read_bytes()
-    assert again.read_bytes() == first
+    assert_same_bytes(again.read_bytes(), first)
     other_bytes = other.read_bytes()
     assert len(other_bytes) == len(first) and other_bytes != first
     assert not list(tmp_path.glob(".*.tmp")), "temporary file left behind"
