@@ -60,6 +60,18 @@ def assert_moves_about_as_much_as_stock(ring: dict, full: dict, arm: str, stock:
     assert moved <= max(4 * floor, share * scale), (arm, moved, floor, scale)
 
 
+def ring_and_full(model, maps, base: dict, tmp_path) -> tuple[dict, dict, dict, dict]:
+    """Stock's and the arm's last 40 prompt rows ("stock_rows", "rows") and decode step ("stock", "decode"), over a
+    one-window cache and over one that keeps every row: (ring, ring stats, full, full stats)."""
+    runs = [{"name": "stock_rows", "rows": 40, "stock": True}, {"name": "stock", "stock": True},
+            {"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
+    ring, st = run_engine(model, maps, runs, session={**ONE_WINDOW, **RING_F32}, prompt=RING_PROMPT,
+                          n_ctx=RING_CTX, tmp_path=tmp_path)
+    full, st_full = run_engine(model, maps, runs, session={**FULL, **RING_F32}, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                               tmp_path=tmp_path)
+    return ring, st, full, st_full
+
+
 @pytest.mark.parametrize("params", [{}, {"exact_rows": RING_ROWS}, {"probe": [16, 8]}, {"fill": "plumb"}],
                          ids=["plain", "exact-rows", "probe", "plumb"])
 def test_a_one_window_cache_moves_ridgefills_logits_about_as_much_as_stocks_against_a_cache_that_keeps_every_row(
@@ -67,13 +79,8 @@ def test_a_one_window_cache_moves_ridgefills_logits_about_as_much_as_stocks_agai
     # the tail's rows from the prefill and the stock decode step after it (a chunk one row longer fails exact-rows)
     require_builds("ridgefill")
     model, maps = gemma3
-    base = {"fill": "ridge", "tail": 40, "min_prefix": 0, **params}
-    runs = [{"name": "stock_rows", "rows": 40, "stock": True}, {"name": "stock", "stock": True},
-            {"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
-    ring, st = run_engine(model, maps, runs, session={**ONE_WINDOW, **RING_F32}, prompt=RING_PROMPT,
-                          n_ctx=RING_CTX, tmp_path=tmp_path)
-    full, st_full = run_engine(model, maps, runs, session={**FULL, **RING_F32}, prompt=RING_PROMPT, n_ctx=RING_CTX,
-                               tmp_path=tmp_path)
+    ring, st, full, st_full = ring_and_full(model, maps, {"fill": "ridge", "tail": 40, "min_prefix": 0, **params},
+                                            tmp_path)
     assert len(ring["tokens"]) > 2 * 256
     for name, stock in (("rows", "stock_rows"), ("decode", "stock")):
         assert st[name]["applied"] == 1, st[name]
@@ -91,16 +98,11 @@ def test_over_a_one_window_cache_probe_rows_reaching_into_the_prefix_see_every_f
     # logits differed in their last bits on AVX-512 too, with or without that listed row, and before patch 0085.)
     require_builds("ridgefill")
     model, maps = gemma3
-    stock, _ = run_engine(model, maps, [{"name": "stock", "stock": True}], session=ONE_WINDOW, prompt=RING_PROMPT,
-                          n_ctx=RING_CTX, tmp_path=tmp_path)
-    n = len(stock["tokens"])
+    tokenized, _ = run_engine(model, maps, [], session=ONE_WINDOW, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                              tmp_path=tmp_path)  # (no runs: the prompt's tokens only)
+    n = len(tokenized["tokens"])
     base = {"fill": "ridge", "tail": 40, "min_prefix": 0, "probe": [64, 8], "exact_rows": [n - 50]}
-    runs = [{"name": "stock_rows", "rows": 40, "stock": True}, {"name": "stock", "stock": True},
-            {"name": "rows", "rows": 40, "params": base}, {"name": "decode", "params": base}]
-    ring, st = run_engine(model, maps, runs, session={**ONE_WINDOW, **RING_F32}, prompt=RING_PROMPT,
-                          n_ctx=RING_CTX, tmp_path=tmp_path)
-    full, st_full = run_engine(model, maps, runs, session={**FULL, **RING_F32}, prompt=RING_PROMPT, n_ctx=RING_CTX,
-                               tmp_path=tmp_path)
+    ring, st, full, st_full = ring_and_full(model, maps, base, tmp_path)
     for name, stock_name in (("rows", "stock_rows"), ("decode", "stock")):
         assert st[name]["applied"] == 1 and st[name]["n_probe_exact"] == st_full[name]["n_probe_exact"] == 8
         assert st[name]["n_exact"] == st_full[name]["n_exact"]
