@@ -199,6 +199,33 @@ def test_the_probe_ranks_rows_by_the_global_layers_and_keeps_them_exact(gemma3, 
     assert_bytes_differ(arrays["probe"], arrays["ridge"])
 
 
+def test_a_windowed_layer_the_selectors_would_score_stands_for_the_nearest_global_layer_below_the_split(gemma3,
+                                                                                                      tmp_path):
+    # At split 4 the default scored layers (3, 7, 11, 15) leave layer 3, which is windowed: its window does not reach
+    # the prefix, so global layer 2 is scored instead, and the budget still counts 20% of the prefix by attention.
+    require_builds("ridgefill")
+    from test_engine_prefill import TIGHT, reference_and_maps
+    model, _ = gemma3
+    shape = tiny_shape("gemma3")
+    src = write_float_file(tmp_path / "split4.safetensors", 4, [5], shape.n_embd, dtype="f32", seed=5)
+    maps = convert(src, tmp_path / "split4.maps.gguf", model=model, outtype="f32").out
+    n_query, share, tail = 24, 0.1, 40
+    base = {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0, "exact_rows": []}
+    runs = [{"name": "windowed", "params": {**base, "attention": [n_query, share, [3]]}},
+            {"name": "global", "params": {**base, "attention": [n_query, share, [2]]}},
+            {"name": "budget", "params": {**base, "probe_budget": [16, 1.0]}}]
+    arrays, stats = run_engine(model, maps, runs, session={**TIGHT, **FULL}, tmp_path=tmp_path)
+    prompt = arrays["tokens"].tolist()[:-1]  # the last token follows through llama_decode
+    prefix = len(prompt) + 1 - tail
+    ref, _ = reference_and_maps(model, maps)
+    score = ref.attention_scores(prompt, [2], n_query)
+    count = int(share * prefix + 0.5)
+    chosen = sorted(sorted(range(1, prefix), key=lambda r: -score[r])[:count])
+    assert stats["windowed"]["exact_rows"] == stats["global"]["exact_rows"] == [0] + chosen
+    assert_same_bytes(arrays["windowed"], arrays["global"], "windowed layer 3 against global layer 2")
+    assert stats["budget"]["n_budget_attention"] == int(0.2 * prefix + 0.5) > 0, stats["budget"]
+
+
 @pytest.mark.parametrize("params", [{}, {"exact_rows": [40, 41, 120]}, {"probe": [16, 8]}],
                          ids=["plain", "exact-rows", "probe"])
 def test_a_windowed_layer_skips_the_rows_no_reader_reaches_and_every_logit_stays_the_same(params, gemma3, tmp_path):
