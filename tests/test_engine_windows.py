@@ -14,7 +14,7 @@ from conftest import assert_bytes_differ, assert_same_bytes, require_builds
 from ridgefill_gguf.maps.convert import convert
 from ridgefill_gguf.maps.synthetic import write_float_file
 from ridgefill_gguf.random_gguf import tiny_shape, write_random_model
-from test_engine_prefill import TEXT, kl, run_engine
+from test_engine_prefill import TEXT, TIGHT, kl, reference_and_maps, run_engine
 
 SPLIT, LATE = 2, [3, 4, 5]
 FULL = {"swa_full": True}  # the windowed layers' cache keeps every row (the library's default, llama-server's --swa-full)
@@ -201,29 +201,50 @@ def test_the_probe_ranks_rows_by_the_global_layers_and_keeps_them_exact(gemma3, 
 
 def test_a_windowed_layer_the_selectors_would_score_stands_for_the_nearest_global_layer_below_the_split(gemma3,
                                                                                                       tmp_path):
-    # At split 4 the default scored layers (3, 7, 11, 15) leave layer 3, which is windowed: its window does not reach
-    # the prefix, so global layer 2 is scored instead, and the budget still counts 20% of the prefix by attention.
+    # At split 4, layers 0, 1 and 3 are windowed and 2 is global. A windowed layer's cells are not the scored
+    # cache's, so each listed one is scored as layer 2, the nearest below or above it. The default layers
+    # (3, 7, 11, 15) leave layer 3 alone below the split, so the budget counts 20% of the prefix by layer 2.
     require_builds("ridgefill")
-    from test_engine_prefill import TIGHT, reference_and_maps
     model, _ = gemma3
     shape = tiny_shape("gemma3")
     src = write_float_file(tmp_path / "split4.safetensors", 4, [5], shape.n_embd, dtype="f32", seed=5)
     maps = convert(src, tmp_path / "split4.maps.gguf", model=model, outtype="f32").out
     n_query, share, tail = 24, 0.1, 40
     base = {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0, "exact_rows": []}
-    runs = [{"name": "windowed", "params": {**base, "attention": [n_query, share, [3]]}},
-            {"name": "global", "params": {**base, "attention": [n_query, share, [2]]}},
-            {"name": "budget", "params": {**base, "probe_budget": [16, 1.0]}}]
+    listed = {"global": [2], "below": [3], "above": [0], "several": [0, 1, 3]}
+    runs = [{"name": name, "params": {**base, "attention": [n_query, share, layers]}} for name, layers in listed.items()]
+    runs.append({"name": "budget", "params": {**base, "probe_budget": [16, 1.0]}})
     arrays, stats = run_engine(model, maps, runs, session={**TIGHT, **FULL}, tmp_path=tmp_path)
     prompt = arrays["tokens"].tolist()[:-1]  # the last token follows through llama_decode
     prefix = len(prompt) + 1 - tail
     ref, _ = reference_and_maps(model, maps)
     score = ref.attention_scores(prompt, [2], n_query)
-    count = int(share * prefix + 0.5)
-    chosen = sorted(sorted(range(1, prefix), key=lambda r: -score[r])[:count])
-    assert stats["windowed"]["exact_rows"] == stats["global"]["exact_rows"] == [0] + chosen
-    assert_same_bytes(arrays["windowed"], arrays["global"], "windowed layer 3 against global layer 2")
+    chosen = sorted(sorted(range(1, prefix), key=lambda r: -score[r])[:int(share * prefix + 0.5)])
+    assert stats["global"]["exact_rows"] == [0] + chosen
+    for name in ("below", "above", "several"):
+        assert stats[name]["exact_rows"] == stats["global"]["exact_rows"], name
+        assert_same_bytes(arrays[name], arrays["global"], f"windowed layers {listed[name]} against global layer 2")
     assert stats["budget"]["n_budget_attention"] == int(0.2 * prefix + 0.5) > 0, stats["budget"]
+    # over llama-server's one-window cache too (the scores index the global cache's cells)
+    ring, ring_stats = run_engine(model, maps, runs[:2], session={**TIGHT, **ONE_WINDOW}, prompt=RING_PROMPT,
+                                  n_ctx=RING_CTX, tmp_path=tmp_path)
+    assert len(ring_stats["below"]["exact_rows"]) > 1
+    assert ring_stats["below"]["exact_rows"] == ring_stats["global"]["exact_rows"]
+    assert_same_bytes(ring["below"], ring["global"], "one window: windowed layer 3 against global layer 2")
+
+
+def test_below_a_split_with_no_global_layer_under_it_the_selectors_score_no_layer(gemma3, tmp_path):
+    # at split 2 both layers below are windowed: nothing is scored, over either cache
+    require_builds("ridgefill")
+    model, maps = gemma3
+    base = {"fill": "ridge", "tail": 40, "chunk": 48, "min_prefix": 0, "exact_rows": []}
+    runs = [{"name": "attention", "params": {**base, "attention": [24, 0.1, [0, 1]]}},
+            {"name": "budget", "params": {**base, "probe_budget": [16, 1.0]}}]
+    for session in (FULL, ONE_WINDOW):
+        _, stats = run_engine(model, maps, runs, session=session, prompt=RING_PROMPT, n_ctx=RING_CTX,
+                              tmp_path=tmp_path)
+        assert stats["attention"]["applied"] == 1 and stats["attention"]["exact_rows"] == [0], session
+        assert stats["budget"]["applied"] == 1 and stats["budget"]["n_budget_attention"] == 0, session
 
 
 @pytest.mark.parametrize("params", [{}, {"exact_rows": [40, 41, 120]}, {"probe": [16, 8]}],
@@ -252,7 +273,7 @@ def test_a_windowed_layer_skips_the_rows_no_reader_reaches_and_every_logit_stays
 def test_the_ridge_arm_on_a_sliding_window_model_matches_an_independent_numpy_computation(gemma3, tmp_path):
     # the reference's windowed layers see the n_swa positions up to their own, from every filled row's prediction
     require_builds("ridgefill")
-    from test_engine_prefill import TIGHT, reference_arms
+    from test_engine_prefill import reference_arms
     model, maps = gemma3
     tail, exact_rows = 40, [10, 57, 130]
     runs = [{"name": "ridge", "params": {"fill": "ridge", "tail": tail, "chunk": 48, "min_prefix": 0,
