@@ -379,7 +379,9 @@ def corpus(folder: Path | None) -> None:
               show_default=True, help="prefix rows that run exactly besides the tail (docs/engine.md)")
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
               "exact (default: the selector's own; the probe counts by the budget)")
-@click.option("--budget", type=click.FloatRange(0), default=None, help=f"the probe's budget factor (default: llama-server's, {SERVER_BUDGET:g})")
+@click.option("--budget", type=click.FloatRange(0), default=None,
+              help=f"the probe's budget factor (default: llama-server's, the model's: {SERVER_BUDGET:g}, or 2 on a model "
+                   "with sliding-window layers)")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
               help=f"context size (default: the model's, at most {32768})")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -583,9 +585,9 @@ def _selector_options(f):
     for option in reversed([
         click.option("--exact-share", default=0.1, show_default=True,
                      help="share of the prefix the attention selector keeps exact"),
-        click.option("--budget", default=SERVER_BUDGET, show_default=True,
+        click.option("--budget", type=click.FloatRange(0), default=None,
                      help="the probe's budget factor: E = budget x the rows the base rules count (default: "
-                          "llama-server's)"),
+                          f"llama-server's, the model's: {SERVER_BUDGET:g}, or 2 on a model with sliding-window layers)"),
         click.option("--whole-numbers/--no-whole-numbers", default=True, show_default=True,
                      help="with the budget, a number the probe keeps exact in part runs exactly whole"),
         click.option("--probe-share", type=float, default=None,
@@ -597,12 +599,27 @@ def _selector_options(f):
     return f
 
 
-def _selectors(exact_share: float, budget: float, whole_numbers: bool, probe_share: float | None, probe_rows: int,
-               query_rows: int, seed: int = 0):
+def _selectors(model: Path, exact_share: float, budget: float | None, whole_numbers: bool, probe_share: float | None,
+               probe_rows: int, query_rows: int, seed: int = 0):
     from .eval.arms import SelectorOptions
 
+    if budget is None:
+        budget = _model_budget_default(model)
     return SelectorOptions(exact_share=exact_share, budget=budget, whole_numbers=whole_numbers,
                            probe_share=probe_share, probe_rows=probe_rows, query_rows=query_rows, seed=seed)
+
+
+def _model_budget_default(model: Path) -> float:
+    """llama-server's budget factor for MODEL."""
+    from .engine import bindings
+    from .libs import use_build
+
+    # a vocab-only load reads no hyperparameters; the weights stay mapped, not read, on the CPU
+    llm = use_build("ridgefill").Llama(model_path=str(model), n_ctx=16, n_gpu_layers=0, verbose=False)
+    try:
+        return bindings.budget_default(llm.model)
+    finally:
+        llm.close()
 
 
 def _document_options(default_arms: str):
@@ -645,7 +662,7 @@ def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_toke
 
     opts = NllOptions(arms=_arms(arms, selectors=True), tail=tail, score=score, min_tokens=min_tokens,
                       max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
-                      selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows))
+                      selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows))
     _run_instrument(run_nll, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 
@@ -739,7 +756,7 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                          arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers, shard=_shard(shard), summary_only=summary_only,
-                         selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
+                         selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
                                               seed))
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
 
@@ -786,7 +803,7 @@ def eval_facts(model, maps, out_dir, docs, lengths, samples, tails, arms, exact_
                        arms=_arms(arms, selectors=True, follows=True), fmt=fmt, seed=seed, threads=threads,
                        n_gpu_layers=n_gpu_layers, exact_only_follow_up=exact_only_follow_up, shard=_shard(shard),
                        rerank_follow_up=rerank_follow_up, summary_only=summary_only,
-                       selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
+                       selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
                                             seed))
     _run_instrument(run_facts, model, list(maps), out_dir, opts, out_dir=out_dir)
 
@@ -803,7 +820,7 @@ def eval_agreement(model, maps, docs, out_dir, arms, tail, continue_tokens, min_
     opts = AgreementOptions(arms=_arms(arms, selectors=True, follows=True), tail=tail,
                             continue_tokens=continue_tokens, min_tokens=min_tokens, max_tokens=max_tokens,
                             max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
-                            selectors=_selectors(exact_share, budget, whole_numbers, probe_share, probe_rows,
+                            selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows,
                                                  query_rows))
     _run_instrument(run_agreement, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 

@@ -323,6 +323,28 @@ def test_llama_server_serves_a_sliding_window_model_over_its_default_one_window_
     assert "--swa-full" in why and out["window_probe"]["content"] == out["window_off"]["content"]
 
 
+def test_llama_server_and_the_eval_instruments_default_to_budget_2_on_a_sliding_window_model(gemma3, tmp_path):
+    # the probe ranks with the global layers alone there: budget 1.5 lost 2 points on Gemma-3-270M's facts, 2 held
+    from ridgefill_gguf.cli import _model_budget_default
+    from ridgefill_gguf.serve import Server
+    from test_server import PROMPT
+
+    require_builds("ridgefill")
+    model, maps = gemma3
+    with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("-fa", "off"),
+                log_path=tmp_path / "budget.log") as srv:
+        props = srv.get("/props")["ridgefill"]
+        # digits, so that the budget counts rows below split 2 (where no layer is scored)
+        prompt = "In 2024, 42 of 97 said so. " + PROMPT
+        default = srv.complete(prompt, n_predict=1)["timings"]["ridgefill"]
+        at_2 = srv.complete(prompt, n_predict=1, ridgefill_budget=2)["timings"]["ridgefill"]
+        at_1_5 = srv.complete(prompt, n_predict=1, ridgefill_budget=1.5)["timings"]["ridgefill"]
+    assert props["budget"] == 2 and default["select"] == "probe"
+    assert default["budget"] == at_2["budget"] > at_1_5["budget"] > 0
+    assert default["selected"] == at_2["selected"]
+    assert _model_budget_default(model) == 2.0
+
+
 @pytest.fixture(scope="module")
 def gemma3_270m(tmp_path_factory):
     """Gemma-3-270M (18 layers, window 512, a global layer every sixth) and synthetic F32 maps at split 9: plumb,

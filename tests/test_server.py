@@ -509,6 +509,9 @@ def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cel
     from ridgefill_gguf.eval.arms import SERVER_BUDGET
     assert props == {**props, "maps": str(maps), "placement": "resident", "tail": 64, "min_prefix": 0,
                      "select": "probe", "budget": SERVER_BUDGET, "reuse": SERVER_REUSE, "whole_numbers": True}
+    from ridgefill_gguf.cli import _model_budget_default
+
+    assert _model_budget_default(model) == SERVER_BUDGET  # no sliding-window layers: the eval's default is the server's
     # what was loaded, read from the file: its split, layers and the checksum that identifies it
     from ridgefill_gguf.gguf_io import read_gguf
 

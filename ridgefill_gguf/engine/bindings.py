@@ -13,7 +13,7 @@ import numpy as np
 from .. import libs
 
 # the API version these bindings were written for; a library that reports another one is refused
-API_VERSION = 23
+API_VERSION = 24
 
 
 class RidgeFillUnavailable(RuntimeError):
@@ -46,6 +46,7 @@ _SIGNATURES = {
                                                [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_bool)]),
     "llama_ridgefill_maps_load": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]),
     "llama_ridgefill_maps_free": (None, [ctypes.c_void_p]),
+    "llama_ridgefill_budget_default": (ctypes.c_float, [ctypes.c_void_p]),
     "llama_ridgefill_last_error": (ctypes.c_char_p, []),
     "llama_ridgefill_maps_split": (ctypes.c_int32, [ctypes.c_void_p]),
     "llama_ridgefill_maps_n_layers": (ctypes.c_int32, [ctypes.c_void_p]),
@@ -187,6 +188,12 @@ def load_maps(model, path, placement: str = "resident") -> LoadedMaps:
                       None if tail < 0 else tail, None if lam < 0 else lam, lib.llama_ridgefill_maps_bytes(handle),
                       lib.llama_ridgefill_maps_warnings(handle).decode(),
                       bool(lib.llama_ridgefill_maps_has_unigrams(handle)))
+
+
+def budget_default(model) -> float:
+    """The budget factor llama-server defaults to for a loaded model (llama_model pointer): 2 where some layer
+    attends in a sliding window, else 1.5."""
+    return round(float(_bound().llama_ridgefill_budget_default(model)), 6)
 
 
 def attach(ctx, maps: LoadedMaps | None) -> None:

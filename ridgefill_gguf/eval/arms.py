@@ -24,7 +24,9 @@ RESCALES = ("values", "keys", "both")
 # the prefill statistics that say which rows ran exactly and what chose them, kept beside each result
 ROW_COUNTS = ("n_filled", "n_exact", "n_special", "n_tail", "n_probe_exact", "n_attention", "n_budget", "n_lexical",
               "n_whole_numbers", "n_protected", "n_random")
-SERVER_BUDGET = 1.5  # llama-server's --ridgefill-budget: the instruments measure what it serves unless told
+# llama-server's --ridgefill-budget on a model without sliding-window layers (2 with them: the instruments' default is
+# the model's, engine.bindings.budget_default), so that they measure what it serves unless told
+SERVER_BUDGET = 1.5
 
 
 @dataclass(frozen=True)
