@@ -380,8 +380,8 @@ def corpus(folder: Path | None) -> None:
 @click.option("--exact-share", type=click.FloatRange(0, 1), default=None, help="share of the prefix the selector keeps "
               "exact (default: the selector's own; the probe counts by the budget)")
 @click.option("--budget", type=click.FloatRange(0), default=None,
-              help=f"the probe's budget factor (default: llama-server's, the model's: {SERVER_BUDGET:g}, or 2 on a model "
-                   "with sliding-window layers)")
+              help=f"the probe's budget factor (default: llama-server's, the model's: {SERVER_BUDGET:g}, or 2 on a "
+                   "model with sliding-window layers)")
 @click.option("-c", "--ctx-size", "n_ctx", type=int, default=None,
               help=f"context size (default: the model's, at most {32768})")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -587,7 +587,8 @@ def _selector_options(f):
                      help="share of the prefix the attention selector keeps exact"),
         click.option("--budget", type=click.FloatRange(0), default=None,
                      help="the probe's budget factor: E = budget x the rows the base rules count (default: "
-                          f"llama-server's, the model's: {SERVER_BUDGET:g}, or 2 on a model with sliding-window layers)"),
+                          f"llama-server's, the model's: {SERVER_BUDGET:g}, or 2 on a model with sliding-window "
+                          "layers; a --summary-only pass keeps its folder's)"),
         click.option("--whole-numbers/--no-whole-numbers", default=True, show_default=True,
                      help="with the budget, a number the probe keeps exact in part runs exactly whole"),
         click.option("--probe-share", type=float, default=None,
@@ -600,13 +601,24 @@ def _selector_options(f):
 
 
 def _selectors(model: Path, exact_share: float, budget: float | None, whole_numbers: bool, probe_share: float | None,
-               probe_rows: int, query_rows: int, seed: int = 0):
+               probe_rows: int, query_rows: int, seed: int = 0, summary_of: Path | None = None):
+    """summary_of: a --summary-only pass's folder, whose runs' budget it keeps where none is given."""
     from .eval.arms import SelectorOptions
 
     if budget is None:
-        budget = _model_budget_default(model)
+        budget = _recorded_budget(summary_of) if summary_of else _model_budget_default(model)
     return SelectorOptions(exact_share=exact_share, budget=budget, whole_numbers=whole_numbers,
                            probe_share=probe_share, probe_rows=probe_rows, query_rows=query_rows, seed=seed)
+
+
+def _recorded_budget(out_dir: Path) -> float:
+    """The budget factor a folder's summary records (a summary-only pass loads no model), else llama-server's on a
+    model without sliding-window layers."""
+    from .eval.arms import SERVER_BUDGET
+
+    summary = Path(out_dir) / "summary.json"
+    recorded = json.loads(summary.read_text()).get("selectors", {}).get("budget") if summary.exists() else None
+    return SERVER_BUDGET if recorded is None else recorded
 
 
 def _model_budget_default(model: Path) -> float:
@@ -614,12 +626,21 @@ def _model_budget_default(model: Path) -> float:
     from .engine import bindings
     from .libs import use_build
 
-    # a vocab-only load reads no hyperparameters; the weights stay mapped, not read, on the CPU
-    llm = use_build("ridgefill").Llama(model_path=str(model), n_ctx=16, n_gpu_layers=0, verbose=False)
+    # a vocab-only load skips the hyperparameters; no_alloc (as llama.cpp's memory fitting loads) reads no weight
+    lc = use_build("ridgefill").llama_cpp
+    lc.llama_backend_init()
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers, params.no_alloc, params.load_mode = 0, True, 0  # LLAMA_LOAD_MODE_NONE
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)  # as llama-cpp-python's Llama(verbose=False) does, which the instruments' sessions are
+    handle = lc.llama_model_load_from_file(str(model).encode(), params)
+    if not handle:
+        raise click.ClickException(f"{model}: llama.cpp could not read the model")
     try:
-        return bindings.budget_default(llm.model)
+        return bindings.budget_default(handle)
     finally:
-        llm.close()
+        lc.llama_model_free(handle)
 
 
 def _document_options(default_arms: str):
@@ -662,7 +683,8 @@ def eval_nll(model, maps, docs, out_dir, arms, tail, score, min_tokens, max_toke
 
     opts = NllOptions(arms=_arms(arms, selectors=True), tail=tail, score=score, min_tokens=min_tokens,
                       max_tokens=max_tokens, max_docs=max_docs, threads=threads, n_gpu_layers=n_gpu_layers,
-                      selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows))
+                      selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows,
+                                           query_rows))
     _run_instrument(run_nll, model, maps, list(docs), out_dir, opts, out_dir=out_dir)
 
 
@@ -756,8 +778,8 @@ def eval_needles(model, maps, out_dir, tasks, lengths, samples, tails, arms, exa
                          lengths=_ints(lengths, "--lengths"), samples=samples, tails=tuple(tails),
                          arms=_arms(arms, selectors=True), fmt=fmt, seed=seed, threads=threads,
                          n_gpu_layers=n_gpu_layers, shard=_shard(shard), summary_only=summary_only,
-                         selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
-                                              seed))
+                         selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows,
+                                              query_rows, seed, summary_of=Path(out_dir) if summary_only else None))
     _run_instrument(run_needles, model, list(maps), out_dir, opts, out_dir=out_dir)
 
 
@@ -803,8 +825,8 @@ def eval_facts(model, maps, out_dir, docs, lengths, samples, tails, arms, exact_
                        arms=_arms(arms, selectors=True, follows=True), fmt=fmt, seed=seed, threads=threads,
                        n_gpu_layers=n_gpu_layers, exact_only_follow_up=exact_only_follow_up, shard=_shard(shard),
                        rerank_follow_up=rerank_follow_up, summary_only=summary_only,
-                       selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows, query_rows,
-                                            seed))
+                       selectors=_selectors(model, exact_share, budget, whole_numbers, probe_share, probe_rows,
+                                            query_rows, seed, summary_of=Path(out_dir) if summary_only else None))
     _run_instrument(run_facts, model, list(maps), out_dir, opts, out_dir=out_dir)
 
 

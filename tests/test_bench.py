@@ -231,7 +231,7 @@ def test_the_bench_times_selectors_and_the_exact_row_line_beside_plain_ridgefill
     # the tiny prompt's budget: its digit tokens (no table, no layer 3/7/11/15 below split 1); random matches it
     assert probe["budget"] == rand["budget"] == rand["selected"] > 0 and probe["prefix"] == 436
     # a budget factor per request: twice the rows the base rules count; a bare selector runs at the server's
-    # default, which the bench reads from /props, and which the eval instruments take as their own
+    # default, which the bench reads from /props (the eval instruments' too on a model without sliding-window layers)
     assert doubled["budget_factor"] == 2.0 and probe["budget_factor"] == 1.0 and default["budget_factor"] == 1.5
     assert default["budget_factor"] == SERVER_BUDGET
     assert doubled["budget"] == 2 * probe["budget"] and probe["budget"] < default["budget"] < doubled["budget"]

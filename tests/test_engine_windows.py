@@ -334,7 +334,7 @@ def test_llama_server_and_the_eval_instruments_default_to_budget_2_on_a_sliding_
     with Server(model, maps, tail=64, min_prefix=0, threads=2, extra=("-fa", "off"),
                 log_path=tmp_path / "budget.log") as srv:
         props = srv.get("/props")["ridgefill"]
-        # digits, so that the budget counts rows below split 2 (where no layer is scored)
+        # below split 2 no layer is scored, so without digits the base rules would count no rows
         prompt = "In 2024, 42 of 97 said so. " + PROMPT
         default = srv.complete(prompt, n_predict=1)["timings"]["ridgefill"]
         at_2 = srv.complete(prompt, n_predict=1, ridgefill_budget=2)["timings"]["ridgefill"]

@@ -549,3 +549,19 @@ def test_eval_needles_summary_only_summarizes_a_cut_sharded_run_from_its_files_w
         f.unlink()
     with pytest.raises(ValueError, match="samples.jsonl is missing"):
         run_needles(model, [maps], out, opts, log=lambda _: None)
+
+
+def test_a_summary_only_pass_without_a_budget_keeps_the_one_its_folder_recorded_and_loads_no_model(
+        tmp_path, monkeypatch):
+    from ridgefill_gguf import cli, libs
+
+    monkeypatch.setattr(libs, "use_build", lambda *a, **k: pytest.fail("--summary-only loaded a build"))
+    (tmp_path / "summary.json").write_text(json.dumps({"selectors": {"budget": 2.0}}))
+    no_model = tmp_path / "no-model.gguf"
+
+    def budget(given, folder):
+        return cli._selectors(no_model, 0.1, given, True, None, 256, 64, summary_of=folder).budget
+
+    assert budget(None, tmp_path) == 2.0
+    assert budget(None, tmp_path / "no-summary-yet") == 1.5  # a label only: no answer depends on it
+    assert budget(3.0, tmp_path) == 3.0

@@ -509,9 +509,6 @@ def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cel
     from ridgefill_gguf.eval.arms import SERVER_BUDGET
     assert props == {**props, "maps": str(maps), "placement": "resident", "tail": 64, "min_prefix": 0,
                      "select": "probe", "budget": SERVER_BUDGET, "reuse": SERVER_REUSE, "whole_numbers": True}
-    from ridgefill_gguf.cli import _model_budget_default
-
-    assert _model_budget_default(model) == SERVER_BUDGET  # no sliding-window layers: the eval's default is the server's
     # what was loaded, read from the file: its split, layers and the checksum that identifies it
     from ridgefill_gguf.gguf_io import read_gguf
 
@@ -521,6 +518,15 @@ def test_props_show_the_ridgefill_settings_and_slots_show_where_approximated_cel
     assert before == -1 and after >= 1 and stock == -1  # the stock prefill (no cache) left only exact cells
     assert off is None
 
+
+
+def test_the_eval_instruments_take_the_servers_budget_on_a_model_without_sliding_window_layers(model_and_maps):
+    from ridgefill_gguf.cli import _model_budget_default
+    from ridgefill_gguf.eval.arms import SERVER_BUDGET
+
+    require_builds("ridgefill")
+    model, _, _, _ = model_and_maps
+    assert _model_budget_default(model) == SERVER_BUDGET == 1.5
 
 def test_a_request_that_asked_for_ridgefill_and_got_the_stock_prefill_says_why(model_and_maps):
     require_builds("ridgefill")

@@ -193,7 +193,7 @@ def load_maps(model, path, placement: str = "resident") -> LoadedMaps:
 def budget_default(model) -> float:
     """The budget factor llama-server defaults to for a loaded model (llama_model pointer): 2 where some layer
     attends in a sliding window, else 1.5."""
-    return round(float(_bound().llama_ridgefill_budget_default(model)), 6)
+    return round(float(_fn("llama_ridgefill_budget_default")(model)), 6)
 
 
 def attach(ctx, maps: LoadedMaps | None) -> None:
