@@ -626,14 +626,14 @@ def _model_budget_default(model: Path) -> float:
     from .engine import bindings
     from .libs import use_build
 
-    # a vocab-only load skips the hyperparameters; no_alloc (as llama.cpp's memory fitting loads) reads no weight
     lc = use_build("ridgefill").llama_cpp
-    lc.llama_backend_init()
-    params = lc.llama_model_default_params()
-    params.n_gpu_layers, params.no_alloc, params.load_mode = 0, True, 0  # LLAMA_LOAD_MODE_NONE
     from llama_cpp._logger import set_verbose
 
     set_verbose(False)  # as llama-cpp-python's Llama(verbose=False) does, which the instruments' sessions are
+    lc.llama_backend_init()
+    # a vocab-only load skips the hyperparameters; no_alloc (as llama.cpp's memory fitting loads) reads no weight
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers, params.no_alloc, params.load_mode = 0, True, lc.LLAMA_LOAD_MODE_NONE
     handle = lc.llama_model_load_from_file(str(model).encode(), params)
     if not handle:
         raise click.ClickException(f"{model}: llama.cpp could not read the model")
