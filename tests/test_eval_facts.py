@@ -175,6 +175,21 @@ def test_a_summary_splits_the_answers_that_differ_from_exact_by_whether_the_aske
                                           "model": "m.gguf", "format": "chat"})
 
 
+def test_an_arm_run_on_fewer_prompts_is_shown_beside_exacts_accuracy_on_those_prompts():
+    facts = [{"rows": [10, 20], "answer": "1"}, {"rows": [30, 40], "answer": "2"}]
+    samples = [F.FactSample(f"code-4096-{i}", "doc", "code", 100, facts, 0, 1, "x") for i in range(4)]
+    answers = [{"sample": s.sample_id, "config": "exact", "arm": "exact", "score": e, "score_follow_up": 0}
+               for s, e in zip(samples, (1, 1, 0, 0))]
+    answers += [{"sample": s.sample_id, "config": "S12-T50", "arm": "ridge+probe", "score": a, "score_follow_up": 0}
+                for s, a in zip(samples[:2], (1, 0))]
+    r = F.summarize(samples, answers, {"maps": 12}, F.FactOptions(tails=(50,), arms=("ridge+probe",)))
+    first = r["configs"]["S12-T50"]["turns"]["first"]
+    assert first["arms"]["exact"]["accuracy"] == 0.5 and first["arms"]["ridge+probe"]["exact_accuracy"] == 1.0
+    md = F.markdown({**r, "options": {"lengths": [100], "seed": 0, "arms": ["ridge+probe"]}, "model": "m.gguf",
+                     "format": "chat"})
+    assert "| S12-T50 | first | 2 | 100 | ridge+probe | 50 | -50 " in md
+
+
 def test_the_reranked_follow_up_keeps_the_first_prefills_exact_rows_and_ranks_the_rest_for_the_new_question(
         tmp_path):
     model, maps = model_maps_and_code_docs(tmp_path)

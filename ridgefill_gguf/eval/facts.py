@@ -578,7 +578,9 @@ def summarize(samples: list[FactSample], answers: list[dict], splits: dict, opts
                         if d:
                             rows_filled = "_filled" if counts.get("filled") else "_exact"
                             discordant[("won" if d > 0 else "lost") + rows_filled] += 1
+                    paired_exact = [by[(s.sample_id, "exact", "exact")][score] for s in got]
                     arms[arm] = {"accuracy": mean_or_none([r[score] for r in rows]), "samples": len(rows),
+                                 "exact_accuracy": mean_or_none(paired_exact),
                                  "delta": bootstrap_mean(diffs, strata=[s.domain for s in got]), "fact_rows": mech,
                                  "discordant": discordant}
                 table[turn] = {"samples": len(usable), "arms": arms}
@@ -620,7 +622,8 @@ def markdown(result: dict) -> str:
                 m = "/".join(str(a["fact_rows"][k]) for k in MECHANISMS)
                 x = a["discordant"]
                 lost_won = f"{x['lost_filled']}+{x['lost_exact']} / {x['won_filled']}+{x['won_exact']}"
-                lines.append(f"| {name} | {turn} | {a['samples']} | {_pct(t['arms']['exact']['accuracy'])} | {arm} | "
+                # exact on the samples this arm answered: an arm run on fewer prompts is compared on those
+                lines.append(f"| {name} | {turn} | {a['samples']} | {_pct(a['exact_accuracy'])} | {arm} | "
                              f"{_pct(a['accuracy'])} | {delta} | {m} | {lost_won} |")
     return "\n".join(lines) + "\n"
 
