@@ -183,20 +183,21 @@ def add_state_update_ceilings(r: dict, us_per_row: float) -> dict:
 
 
 class DeviceMemory:
-    """GPU memory in use over time (one `nvidia-smi -lms` stream, MiB), to read the peak of a time window, and any
-    other `fields` nvidia-smi reports (SM clock, power, temperature) to average over one.
+    """Each GPU's memory in use over time (one `nvidia-smi -lms` stream, MiB), to read the peak of a time window, and
+    any other `fields` nvidia-smi reports (SM clock, power, temperature, utilization) to average over one.
     Inert where there is no nvidia-smi: peaks and means are then None."""
 
     def __init__(self, period_ms: int = 50, fields: tuple[str, ...] = ()):
         self.period_ms = period_ms
         self.fields = ("memory.used", *fields)
-        self.samples: list[tuple[float, tuple[float, ...]]] = []
+        self.samples: list[tuple[float, int, tuple[float, ...]]] = []  # (time, GPU index, fields)
         self.proc = None
 
     def __enter__(self) -> "DeviceMemory":
         if shutil.which("nvidia-smi"):
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(self.fields)}",
-                                          "--format=csv,noheader,nounits", "-i", "0", f"-lms={self.period_ms}"],
+            # every GPU, one line each per period: a layer split's memory and work are spread over them
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu=index,{','.join(self.fields)}",
+                                          "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
                                          stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
         return self
@@ -204,27 +205,50 @@ class DeviceMemory:
     def _read(self) -> None:
         for line in self.proc.stdout:
             try:
-                self.samples.append((time.monotonic(), tuple(float(v) for v in line.split(","))))
+                index, *values = line.split(",")
+                self.samples.append((time.monotonic(), int(index), tuple(float(v) for v in values)))
             except ValueError:
                 pass
 
-    def _window(self, t0: float, t1: float) -> list[tuple[float, ...]]:
-        """The samples taken in [t0, t1] and the one just before t0, which still held then."""
+    def _window(self, t0: float, t1: float) -> dict[int, list[tuple[float, float, ...]]]:
+        """Each GPU's samples (time first) taken in [t0, t1] and the one just before t0, which still held then."""
+        if not self.proc:
+            return {}
         time.sleep(2 * self.period_ms / 1000)  # let the samples of the window arrive
-        before = [v for t, v in self.samples if t < t0][-1:]
-        return before + [v for t, v in self.samples if t0 <= t <= t1]
+        out: dict[int, list] = {}
+        for t, index, values in self.samples:
+            if t < t0:
+                out[index] = [(t, *values)]
+            elif t <= t1:
+                out.setdefault(index, []).append((t, *values))
+        return out
 
     def peak(self, t0: float, t1: float) -> int | None:
-        """The most memory in use in [t0, t1] (MiB)."""
-        window = self._window(t0, t1) if self.proc else []
-        return int(max(v[0] for v in window)) if window else None
+        """The most memory in use at once on all GPUs together in [t0, t1] (MiB)."""
+        window = self._window(t0, t1)
+        latest, most = {}, None
+        for t, index, used in sorted((v[0], i, v[1]) for i, vs in window.items() for v in vs):
+            latest[index] = used
+            if len(latest) == len(window):
+                most = max(most or 0, sum(latest.values()))
+        return None if most is None else int(most)
 
-    def means(self, t0: float, t1: float) -> dict[str, float] | None:
-        """Each field's mean over [t0, t1]."""
-        window = self._window(t0, t1) if self.proc else []
+    def per_device(self, t0: float, t1: float) -> dict[int, dict[str, float]] | None:
+        """Each GPU's peak memory (memory.used) and the other fields' means over [t0, t1]."""
+        window = self._window(t0, t1)
         if not window:
             return None
-        return {f: sum(v[i] for v in window) / len(window) for i, f in enumerate(self.fields)}
+        return {i: {"peak_mib": int(max(v[1] for v in vs)),
+                    **{f: statistics.fmean(v[1 + k] for v in vs) for k, f in enumerate(self.fields) if k}}
+                for i, vs in sorted(window.items())}
+
+    def means(self, t0: float, t1: float) -> dict[str, float] | None:
+        """Each field's mean over [t0, t1] on the first GPU."""
+        window = self._window(t0, t1)
+        if not window:
+            return None
+        first = window[min(window)]
+        return {f: statistics.fmean(v[1 + k] for v in first) for k, f in enumerate(self.fields)}
 
     def __exit__(self, *exc) -> None:
         if self.proc:
@@ -237,6 +261,23 @@ def timed(mem: DeviceMemory, request: Callable[[], dict]) -> tuple[dict, int | N
     t0 = time.monotonic()
     response = request()
     return response, mem.peak(t0, time.monotonic())
+
+
+def timed_on_devices(mem: DeviceMemory, request: Callable[[], dict]) -> tuple[dict, int | None, dict | None]:
+    """A request's response, the peak memory of all GPUs together while it ran, and each GPU's peak and means."""
+    t0 = time.monotonic()
+    response = request()
+    t1 = time.monotonic()
+    return response, mem.peak(t0, t1), mem.per_device(t0, t1)
+
+
+def merge_devices(runs: list[dict | None]) -> dict[str, dict] | None:
+    """Several requests' per-GPU figures as one: the highest peak and the mean of each other field's means."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return None
+    return {str(i): {k: (max if k == "peak_mib" else statistics.fmean)(r[i][k] for r in runs if i in r)
+                     for k in runs[0][i]} for i in sorted({i for r in runs for i in r})}
 
 
 def _max(values) -> int | None:
@@ -316,7 +357,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
             raise ValueError(f"the text gives {len(all_tokens)} tokens, fewer than {n_max}")
         return {n: all_tokens[:n] for n in lengths}
 
-    with DeviceMemory() as mem:
+    # utilization: the share of each sampling period a GPU ran a kernel, each GPU's share of a layer split's work
+    with DeviceMemory(fields=("utilization.gpu",)) as mem:
         for placement in placements:
             where, fill = split_placement(placement)
             # research: the fill variants and the random rows of the exact-rows line are controls
@@ -336,19 +378,22 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                 # plain RidgeFill (no exact prefix rows) is the speed arm; selectors are timed beside it
                 srv.complete(by_n[lengths[0]], n_predict=1, ridgefill=True, ridgefill_select="none")
                 for n in lengths:
-                    exact_ms, rf_ms, stats, peaks = [], [], [], {"exact": [], "ridgefill": []}
+                    exact_ms, rf_ms, stats = [], [], []
+                    peaks, gpus = {"exact": [], "ridgefill": []}, {"exact": [], "ridgefill": []}
                     for i in range(repeats):
-                        r, m = timed(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=False))
+                        r, m, g = timed_on_devices(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=False))
                         exact_ms.append(r["timings"]["prompt_ms"])
                         peaks["exact"].append(m)
-                        r, m = timed(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=True,
-                                                               ridgefill_select="none"))
+                        gpus["exact"].append(g)
+                        r, m, g = timed_on_devices(mem, lambda: srv.complete(by_n[n], n_predict=1, ridgefill=True,
+                                                                             ridgefill_select="none"))
                         t = r["timings"]
                         if "ridgefill" not in t:
                             raise RuntimeError(f"{n} tokens: the server did not use RidgeFill (see {srv.log_path})")
                         rf_ms.append(t["prompt_ms"])
                         stats.append(t["ridgefill"])
                         peaks["ridgefill"].append(m)
+                        gpus["ridgefill"].append(g)
                         log(f"bench: {placement} {n} tokens, run {i + 1}/{repeats}: exact {exact_ms[-1]:.0f} ms, "
                             f"RidgeFill {rf_ms[-1]:.0f} ms")
                     st = stats[-1]
@@ -366,6 +411,7 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                                                                      "fill_skipped")},
                                  "phases_ms": med,
                                  "devices": device_stats(st),
+                                 "gpus": {arm: merge_devices(runs) for arm, runs in gpus.items()},
                                  # MiB in use on the GPU: RidgeFill's buffers stay allocated once made, so the
                                  # exact arm's peak includes them; stock_before_ridgefill does not
                                  "peak_memory_mib": {"exact": _max(peaks["exact"]),
@@ -390,9 +436,11 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                 up.complete(by_n[lengths[0]], n_predict=1)
                 off.complete(by_n[lengths[0]], n_predict=1, ridgefill=False)
                 for n in lengths:
-                    up_ms, off_ms = [], []
+                    up_ms, off_ms, up_gpus = [], [], []
                     for i in range(repeats):
-                        up_ms.append(up.complete(by_n[n], n_predict=1)["timings"]["prompt_ms"])
+                        r, _, g = timed_on_devices(mem, lambda: up.complete(by_n[n], n_predict=1))
+                        up_ms.append(r["timings"]["prompt_ms"])
+                        up_gpus.append(g)
                         t = off.complete(by_n[n], n_predict=1, ridgefill=False)["timings"]
                         if "ridgefill" in t:
                             raise RuntimeError(f"{n} tokens: RidgeFill ran on a request that switched it off")
@@ -402,7 +450,8 @@ def run_bench(model: str | Path, maps: str | Path, lengths: list[int], *, tail: 
                     off_rows.append({"tokens": n, "upstream_ms": up_ms, "off_ms": off_ms,
                                      "median_upstream_ms": statistics.median(up_ms),
                                      "median_off_ms": statistics.median(off_ms),
-                                     "off_over_upstream": statistics.median(off_ms) / statistics.median(up_ms)})
+                                     "off_over_upstream": statistics.median(off_ms) / statistics.median(up_ms),
+                                     "gpus": {"upstream": merge_devices(up_gpus)}})
                     save(partial=True)
             if windowed:
                 time_upstream_other_cache(model, common, lengths, repeats, off_rows, commands, out_dir, prompts, log)
@@ -580,6 +629,30 @@ def markdown_table(caption: str | None, header: list[str], rows: list[list]) -> 
     return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def split_table(r: dict) -> list[str]:
+    """Where the servers ran on several GPUs: each GPU's peak memory and busy share per arm, and what RidgeFill's
+    graphs moved between them (nothing when the run saw one GPU)."""
+    arms = [(x["placement"], x["tokens"], arm, g, x) for x in r["rows"]
+            for arm, g in (x.get("gpus") or {}).items() if g]
+    arms += [("upstream", x["tokens"], "upstream", x["gpus"]["upstream"], None) for x in r.get("off_vs_upstream", [])
+             if (x.get("gpus") or {}).get("upstream")]
+    if not arms or max(len(g) for *_, g, _ in arms) < 2:
+        return []
+
+    def moved(x: dict | None, arm: str) -> str:
+        d = (x or {}).get("devices") or {}
+        if arm != "ridgefill" or d.get("bytes_moved") is None:
+            return ""
+        return f"{d['bytes_moved'] / 2**20:.1f} MiB over {d['late_devices']} late devices ({d['devices']})"
+
+    return markdown_table("Each GPU (peak memory in MiB / busy: the mean share of nvidia-smi's sampling periods in which "
+                          "the GPU ran a kernel, a coarse measure) and the bytes RidgeFill's graphs moved between "
+                          "devices:", ["placement", "tokens", "arm", "per GPU: peak MiB / busy %", "moved by RidgeFill"],
+                          [[p, n, arm, ", ".join(f"GPU {i}: {v['peak_mib']} / {v.get('utilization.gpu', 0):.0f}%"
+                                                 for i, v in g.items()), moved(x, arm)]
+                           for p, n, arm, g, x in arms])
+
+
 def markdown(r: dict) -> str:
     hw = r["hardware"]
     env = r.get("environment") or {}
@@ -601,11 +674,12 @@ def markdown(r: dict) -> str:
                       phase_cell(x["phases_ms"])] for x in r["rows"]])
     mem = [x for x in r["rows"] if x.get("peak_memory_mib", {}).get("ridgefill")]
     if mem:
-        lines += markdown_table("Peak GPU memory in use (MiB; RidgeFill's buffers stay allocated once made, so the exact arm "
+        lines += markdown_table("Peak GPU memory in use (MiB, every GPU together; RidgeFill's buffers stay allocated once made, so the exact arm "
                         "after the first RidgeFill request includes them):",
                         ["placement", "tokens", "stock before RidgeFill", "exact", "RidgeFill"],
                         [[x["placement"], x["tokens"], x["peak_memory_mib"]["stock_before_ridgefill"],
                           x["peak_memory_mib"]["exact"], x["peak_memory_mib"]["ridgefill"]] for x in mem])
+    lines += split_table(r)
     if r.get("selectors"):
         lines += markdown_table("Exact-row selectors (medians, ms; per request, on the same server):",
                         ["placement", "tokens", "selector", "RidgeFill + selector", "vs exact", "vs plain RidgeFill",

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -266,10 +268,10 @@ def test_the_stock_after_ridgefill_diagnostic_times_each_phase_with_the_gpus_clo
     require_builds("ridgefill")
     model = write_random_model(tmp_path / "m.gguf", dataclasses.replace(tiny_shape("qwen3"), n_layer=4), seed=0)
     maps = write_random_maps(model, 2, tmp_path / "maps.gguf")
-    # a stand-in nvidia-smi: memory, SM clock, power and temperature every 20 ms, whatever it is asked
+    # a stand-in nvidia-smi: GPU 0's memory, SM clock, power and temperature every 20 ms, whatever it is asked
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\nwhile true; do echo '1000, 1980, 350.5, 60'; sleep 0.02; done\n")
+    fake.write_text("#!/bin/sh\nwhile true; do echo '0, 1000, 1980, 350.5, 60'; sleep 0.02; done\n")
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_stock_after.py"), str(model), str(maps),
@@ -398,3 +400,65 @@ def test_the_memory_bench_reads_llama_cpps_breakdown_rows_and_compute_growth():
     # llama.cpp pads small sizes to their width (%8.4f)
     padded = "W ~llama_context:        CPU compute buffer size of  10.1719 MiB, does not match expectation of   5.3926 MiB"
     assert compute_growth(padded) == {"CPU": {"held_mib": 10.1719, "reserved_mib": 5.3926}}
+
+
+def test_device_memory_reads_every_gpu_and_a_split_run_shows_each_gpus_peak_and_busy_share(tmp_path, monkeypatch):
+    from ridgefill_gguf import bench
+
+    # a stand-in nvidia-smi for two GPUs: GPU 0 holds 1000 MiB and is idle, GPU 1 goes from 500 to 3000 MiB busy
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nwhile true; do echo '0, 1000, 0'; echo '1, 500, 0'; sleep 0.02;"
+                    " echo '0, 1000, 0'; echo '1, 3000, 100'; sleep 0.02; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with bench.DeviceMemory(period_ms=20, fields=("utilization.gpu",)) as mem:
+        _, total, per_gpu = bench.timed_on_devices(mem, lambda: time.sleep(0.3) or {})
+    # the peak counts what both held at once, not one GPU's
+    assert total == 4000
+    assert per_gpu[0] == {"peak_mib": 1000, "utilization.gpu": 0.0}
+    assert per_gpu[1]["peak_mib"] == 3000 and 20 < per_gpu[1]["utilization.gpu"] < 80
+    merged = bench.merge_devices([per_gpu, None, {0: {"peak_mib": 1200, "utilization.gpu": 50.0},
+                                                  1: {"peak_mib": 100, "utilization.gpu": 0.0}}])
+    assert merged["0"] == {"peak_mib": 1200, "utilization.gpu": 25.0} and merged["1"]["peak_mib"] == 3000
+    row = {"placement": "resident", "tokens": 600, "gpus": {"exact": merged, "ridgefill": merged},
+           "devices": {"late_devices": 2, "bytes_moved": 3 * 2**20, "devices": "sweep one: CUDA0 0-14; late layers: "
+                       "CUDA0 15-23, CUDA1 24-29"}}
+    table = "\n".join(bench.split_table({"rows": [row]}))
+    assert "| resident | 600 | exact | GPU 0: 1200 / 25%, GPU 1: 3000 / " in table
+    assert "| 3.0 MiB over 2 late devices (sweep one: CUDA0 0-14; late layers: CUDA0 15-23, CUDA1 24-29) |" in table
+    # one GPU: no table
+    assert bench.split_table({"rows": [{**row, "gpus": {"exact": {"0": merged["0"]}}}]}) == []
+
+
+def test_the_multi_gpu_script_runs_a_split_bench_and_a_one_gpu_bench_end_to_end(tmp_path):
+    # the script's plumbing on the CPU builds, with a stand-in nvidia-smi of two GPUs: what a machine of several
+    # GPUs runs, on a tiny model, so that a rare multi-GPU session spends no time on the script's own faults
+    require_builds()
+    work, out, bin_dir = tmp_path / "work", tmp_path / "out", tmp_path / "bin"
+    for d in (work, out, bin_dir):
+        d.mkdir()
+    model = write_random_model(work / "tiny-f32.gguf", dataclasses.replace(tiny_shape("llama"), n_layer=4), seed=0)
+    write_random_maps(model, 2, work / "tiny-f32.S2.maps.gguf")
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text('#!/bin/sh\ncase "$*" in\n*-L*) echo "GPU 0: NVIDIA H100 80GB HBM3"; echo "GPU 1: NVIDIA H100 80GB '
+                    'HBM3" ;;\n*name*) echo "NVIDIA H100 80GB HBM3" ;;\n*) while true; do echo "0, 900, 50"; '
+                    'echo "1, 700, 40"; sleep 0.05; done ;;\nesac\n')
+    fake.chmod(0o755)
+    # the scripts call python3: this one, which has the project's packages
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "RIDGEFILL_GPU_WORK": str(work), "OUT": str(out),
+           "PRESET": "tiny", "DTYPE": "f32", "SPLIT": "2", "RUNS": "split1k one1k", "TAIL": "256", "LIMIT_S": "300"}
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu" / "multi-gpu-runs.sh")], text=True, capture_output=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0 and "stopped" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    subprocess.run(["tar", "-xJf", str(out / "multi-gpu.tar.xz"), "-C", str(tmp_path)], check=True)
+    results = {p.stem.rsplit("-", 1)[-1]: json.loads(p.read_text()) for p in (tmp_path / "bench").glob("*.json")}
+    assert set(results) == {"split1k", "one1k"}, list(results)
+    split, one = results["split1k"], results["one1k"]
+    assert "-sm layer" in split["server_commands"]["resident"] and "-sm layer" in split["server_commands"]["upstream"]
+    assert [r["tokens"] for r in split["off_vs_upstream"]] == [1024] and not one["off_vs_upstream"]
+    assert [r["placement"] for r in split["rows"]] == ["resident", "streamed"] and split["selectors"]
+    assert set(split["rows"][0]["gpus"]["ridgefill"]) == {"0", "1"}
+    assert split["rows"][0]["gpus"]["ridgefill"]["1"]["peak_mib"] == 700
+    md = next((tmp_path / "bench").glob("*-split1k.md")).read_text()
+    assert "| resident | 1024 | ridgefill | GPU 0: 900 / 50%, GPU 1: 700 / 40% |" in md, md

@@ -59,11 +59,16 @@ def top_probs(response: dict) -> list:
 
 def requests(build: str, model, maps, tmp_path, name: str, rpc: str | None = None, placement: str = "resident",
              arms=("stock", "plain", "probe"), n_layer: int = SMOLLM2_N_LAYER, prompt: str = PROMPT,
-             probe_share: float | None = None, tensor_split: str = "1,1") -> dict:
+             probe_share: float | None = None, tensor_split: str = "1,1", gpus: int = 0) -> dict:
     """Each arm's top log-probabilities and RidgeFill statistics from one server; probe_share: the probe keeps that
-    share of the prefix instead of its budget's count."""
+    share of the prefix instead of its budget's count. rpc: the layers split over those hosts; gpus: over that many
+    CUDA devices (1: all on the first)."""
     # -v: the log names each layer's device
     extra = ("--rpc", rpc, "-ngl", "99", "--tensor-split", tensor_split, "-v") if rpc else ()
+    if gpus:
+        extra = ("-ngl", "99", "-v") + (("--device", "CUDA0") if gpus == 1 else
+                                        ("-sm", "layer", "--device", ",".join(f"CUDA{i}" for i in range(gpus)),
+                                         "--tensor-split", tensor_split))
     out = {}
     with Server(model, maps, build=build, tail=256, min_prefix=0, threads=1, n_ctx=2048, placement=placement,
                 extra=extra, log_path=tmp_path / f"{name}.log") as srv:
@@ -81,6 +86,10 @@ def requests(build: str, model, maps, tmp_path, name: str, rpc: str | None = Non
         assert used == set(rpc.split(",")), used
         on = dict(re.findall(r"layer +(\d+) assigned to device (RPC\d+)", log))
         assert {str(il) for il in range(n_layer)} <= set(on) and set(on.values()) == {"RPC0", "RPC1"}, on
+    if gpus:  # every repeating layer went to one of the asked GPUs, and each of them holds some
+        on = dict(re.findall(r"layer +(\d+) assigned to device (CUDA\d+)", log))
+        want = {f"CUDA{i}" for i in range(gpus)}
+        assert {str(il) for il in range(n_layer)} <= set(on) and set(on.values()) == want, on
     return out
 
 

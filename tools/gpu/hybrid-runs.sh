@@ -15,35 +15,24 @@ export PRESET=${PRESET:-qwen35-27b} DTYPE=${DTYPE:-q8_0} SPLIT=${SPLIT:-16} REPE
 export STATE_US=${STATE_US:-1.24} SELECT=${SELECT:-probe}
 tag="$PRESET-$DTYPE-shape-h200"
 
-run() {  # run NAME VAR=VALUE...: one bench under the limit; a stalled one is stopped with its server
-    local name=$1; shift
-    echo "hybrid-runs: $name ($*)"
-    env "$@" LABEL="$tag-$name" timeout --kill-after=10 "${LIMIT_S:-240}" bash "$repo/tools/gpu/bench-prefill-8b.sh" \
-        > "$out/bench/run-$name.log" 2>&1
-    local rc=$?
-    pkill -f "bin/llama-server" || true
-    for log in "$out"/bench/server-*.log; do
-        [ -f "$log" ] && mv "$log" "$out/bench/$name-$(basename "$log")"
-    done
-    tail -12 "$out/bench/run-$name.log"
-    [ $rc -eq 0 ] || echo "hybrid-runs: $name stopped (rc $rc)"
-}
+runner=hybrid-runs
+source "$repo/tools/gpu/bench-run.sh"
 
 mkdir -p "$out/bench"
 for r in ${RUNS:-probe128k recurrent32k chunk512}; do
     case "$r" in
-        probe128k)    run "$r" TOKENS=131072 PLACEMENTS=resident ;;
-        recurrent32k) run "$r" TOKENS=32768 PLACEMENTS=resident ;;
-        chunk512)     run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 512" ;;
-        chunk8192)    run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 8192" ;;
-        streamed64k)  run "$r" TOKENS=65536 PLACEMENTS=streamed ;;
-        fused32k)     run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update fused" ;;
-        blocked32k)   run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
-        blocked64k)   run "$r" TOKENS=65536 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
-        blocked16k)   run "$r" TOKENS=16384 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
-        streamed128k) run "$r" TOKENS=131072 PLACEMENTS=streamed ;;
-        chunked32k)   run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update chunked" ;;
-        upstream32k)  run "$r" TOKENS=32768 PLACEMENTS=resident VS_UPSTREAM=1 ;;
+        probe128k)    bench_run "$r" TOKENS=131072 PLACEMENTS=resident ;;
+        recurrent32k) bench_run "$r" TOKENS=32768 PLACEMENTS=resident ;;
+        chunk512)     bench_run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 512" ;;
+        chunk8192)    bench_run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-recurrent-chunk 8192" ;;
+        streamed64k)  bench_run "$r" TOKENS=65536 PLACEMENTS=streamed ;;
+        fused32k)     bench_run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update fused" ;;
+        blocked32k)   bench_run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
+        blocked64k)   bench_run "$r" TOKENS=65536 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
+        blocked16k)   bench_run "$r" TOKENS=16384 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update blocked" ;;
+        streamed128k) bench_run "$r" TOKENS=131072 PLACEMENTS=streamed ;;
+        chunked32k)   bench_run "$r" TOKENS=32768 PLACEMENTS=resident SERVER_ARGS="--ridgefill-state-update chunked" ;;
+        upstream32k)  bench_run "$r" TOKENS=32768 PLACEMENTS=resident VS_UPSTREAM=1 ;;
         *)            echo "hybrid-runs: unknown run '$r'" >&2 ;;
     esac
 done
