@@ -182,73 +182,90 @@ def add_state_update_ceilings(r: dict, us_per_row: float) -> dict:
     return r
 
 
+def _number(text: str) -> float | None:
+    """A field nvidia-smi printed, or None where it has none ("[N/A]", "[Not Supported]")."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _mean(values) -> float | None:
+    """The mean of the values nvidia-smi gave (None: it gave none)."""
+    got = [v for v in values if v is not None]
+    return statistics.fmean(got) if got else None
+
+
 class DeviceMemory:
     """Each GPU's memory in use over time (one `nvidia-smi -lms` stream, MiB), to read the peak of a time window, and
-    any other `fields` nvidia-smi reports (SM clock, power, temperature, utilization) to average over one.
-    Inert where there is no nvidia-smi: peaks and means are then None."""
+    any other `fields` nvidia-smi reports (SM clock, power, temperature, utilization) to average over one. The GPUs
+    are those CUDA_VISIBLE_DEVICES names, else every one. Inert where there is no nvidia-smi: peaks and means are
+    then None."""
 
     def __init__(self, period_ms: int = 50, fields: tuple[str, ...] = ()):
         self.period_ms = period_ms
         self.fields = ("memory.used", *fields)
-        self.samples: list[tuple[float, int, tuple[float, ...]]] = []  # (time, GPU index, fields)
+        # one entry per nvidia-smi cycle: when it began and each GPU's fields
+        self.cycles: list[tuple[float, dict[int, tuple[float | None, ...]]]] = []
         self.proc = None
 
     def __enter__(self) -> "DeviceMemory":
         if shutil.which("nvidia-smi"):
-            # every GPU, one line each per period: a layer split's memory and work are spread over them
+            # nvidia-smi ignores CUDA_VISIBLE_DEVICES: a run on some GPUs of a machine watches those alone
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
             self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu=index,{','.join(self.fields)}",
-                                          "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+                                          "--format=csv,noheader,nounits", f"-lms={self.period_ms}",
+                                          *(["-i", visible] if visible else [])],
                                          stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
         return self
 
     def _read(self) -> None:
+        """Each cycle prints one line per GPU: a GPU seen again starts the next cycle."""
         for line in self.proc.stdout:
-            try:
-                index, *values = line.split(",")
-                self.samples.append((time.monotonic(), int(index), tuple(float(v) for v in values)))
-            except ValueError:
-                pass
+            index, *values = line.split(",")
+            index = _number(index)
+            if index is None:
+                continue
+            if not self.cycles or int(index) in self.cycles[-1][1]:
+                self.cycles.append((time.monotonic(), {}))
+            self.cycles[-1][1][int(index)] = tuple(_number(v) for v in values)
 
-    def _window(self, t0: float, t1: float) -> dict[int, list[tuple[float, float, ...]]]:
-        """Each GPU's samples (time first) taken in [t0, t1] and the one just before t0, which still held then."""
+    def _window(self, t0: float, t1: float) -> list[dict[int, tuple[float | None, ...]]]:
+        """The cycles begun in [t0, t1] and the one before t0, which still held then."""
         if not self.proc:
-            return {}
-        time.sleep(2 * self.period_ms / 1000)  # let the samples of the window arrive
-        out: dict[int, list] = {}
-        for t, index, values in self.samples:
-            if t < t0:
-                out[index] = [(t, *values)]
-            elif t <= t1:
-                out.setdefault(index, []).append((t, *values))
-        return out
+            return []
+        time.sleep(2 * self.period_ms / 1000)  # let the window's cycles, and the next one's first line, arrive
+        done = self.cycles[:-1]  # the last may still be printing
+        before = [g for t, g in done if t < t0][-1:]
+        return before + [g for t, g in done if t0 <= t <= t1]
 
     def peak(self, t0: float, t1: float) -> int | None:
-        """The most memory in use at once on all GPUs together in [t0, t1] (MiB)."""
-        window = self._window(t0, t1)
-        latest, most = {}, None
-        for t, index, used in sorted((v[0], i, v[1]) for i, vs in window.items() for v in vs):
-            latest[index] = used
-            if len(latest) == len(window):
-                most = max(most or 0, sum(latest.values()))
-        return None if most is None else int(most)
+        """The most memory in use at once on the GPUs together in [t0, t1] (MiB)."""
+        totals = [sum(v[0] for v in g.values() if v[0] is not None) for g in self._window(t0, t1)]
+        return int(max(totals)) if totals else None
 
-    def per_device(self, t0: float, t1: float) -> dict[int, dict[str, float]] | None:
-        """Each GPU's peak memory (memory.used) and the other fields' means over [t0, t1]."""
+    def per_device(self, t0: float, t1: float) -> dict[int, dict[str, float | None]] | None:
+        """Each GPU's peak memory (peak_mib) and the other fields' means over [t0, t1]."""
         window = self._window(t0, t1)
         if not window:
             return None
-        return {i: {"peak_mib": int(max(v[1] for v in vs)),
-                    **{f: statistics.fmean(v[1 + k] for v in vs) for k, f in enumerate(self.fields) if k}}
-                for i, vs in sorted(window.items())}
+        out = {}
+        for i in sorted({i for g in window for i in g}):
+            seen = [g[i] for g in window if i in g]
+            used = [v[0] for v in seen if v[0] is not None]
+            out[i] = {"peak_mib": int(max(used)) if used else None,
+                      **{f: _mean(v[k] for v in seen) for k, f in enumerate(self.fields) if k}}
+        return out
 
-    def means(self, t0: float, t1: float) -> dict[str, float] | None:
+    def means(self, t0: float, t1: float) -> dict[str, float | None] | None:
         """Each field's mean over [t0, t1] on the first GPU."""
         window = self._window(t0, t1)
         if not window:
             return None
-        first = window[min(window)]
-        return {f: statistics.fmean(v[1 + k] for v in first) for k, f in enumerate(self.fields)}
+        first = min(i for g in window for i in g)
+        seen = [g[first] for g in window if first in g]
+        return {f: _mean(v[k] for v in seen) for k, f in enumerate(self.fields)}
 
     def __exit__(self, *exc) -> None:
         if self.proc:
@@ -276,8 +293,13 @@ def merge_devices(runs: list[dict | None]) -> dict[str, dict] | None:
     runs = [r for r in runs if r]
     if not runs:
         return None
-    return {str(i): {k: (max if k == "peak_mib" else statistics.fmean)(r[i][k] for r in runs if i in r)
-                     for k in runs[0][i]} for i in sorted({i for r in runs for i in r})}
+    out = {}
+    for i in sorted({i for r in runs for i in r}):
+        seen = [r[i] for r in runs if i in r]
+        peaks = [v["peak_mib"] for v in seen if v["peak_mib"] is not None]
+        out[str(i)] = {"peak_mib": max(peaks) if peaks else None,
+                       **{k: _mean(v.get(k) for v in seen) for k in seen[0] if k != "peak_mib"}}
+    return out
 
 
 def _max(values) -> int | None:
@@ -631,11 +653,12 @@ def markdown_table(caption: str | None, header: list[str], rows: list[list]) -> 
 
 def split_table(r: dict) -> list[str]:
     """Where the servers ran on several GPUs: each GPU's peak memory and busy share per arm, and what RidgeFill's
-    graphs moved between them (nothing when the run saw one GPU)."""
+    graphs moved between them (nothing when the run watched one GPU)."""
     arms = [(x["placement"], x["tokens"], arm, g, x) for x in r["rows"]
             for arm, g in (x.get("gpus") or {}).items() if g]
-    arms += [("upstream", x["tokens"], "upstream", x["gpus"]["upstream"], None) for x in r.get("off_vs_upstream", [])
-             if (x.get("gpus") or {}).get("upstream")]
+    # upstream's server was timed beside the patched one (attached, off), whose memory the peaks include
+    arms += [("upstream", x["tokens"], "upstream (the off server loaded too)", x["gpus"]["upstream"], None)
+             for x in r.get("off_vs_upstream", []) if (x.get("gpus") or {}).get("upstream")]
     if not arms or max(len(g) for *_, g, _ in arms) < 2:
         return []
 
@@ -645,11 +668,17 @@ def split_table(r: dict) -> list[str]:
             return ""
         return f"{d['bytes_moved'] / 2**20:.1f} MiB over {d['late_devices']} late devices ({d['devices']})"
 
-    return markdown_table("Each GPU (peak memory in MiB / busy: the mean share of nvidia-smi's sampling periods in which "
-                          "the GPU ran a kernel, a coarse measure) and the bytes RidgeFill's graphs moved between "
-                          "devices:", ["placement", "tokens", "arm", "per GPU: peak MiB / busy %", "moved by RidgeFill"],
-                          [[p, n, arm, ", ".join(f"GPU {i}: {v['peak_mib']} / {v.get('utilization.gpu', 0):.0f}%"
-                                                 for i, v in g.items()), moved(x, arm)]
+    def gpu(i: str, v: dict) -> str:
+        busy = v.get("utilization.gpu")
+        return f"GPU {i}: {v['peak_mib'] if v['peak_mib'] is not None else 'n/a'} / " + \
+            (f"{busy:.0f}%" if busy is not None else "n/a")
+
+    return markdown_table("Each GPU: peak memory (MiB) / busy (nvidia-smi's utilization.gpu, the share of the "
+                          "driver's own sample period, 1/6 s to 1 s, in which a kernel ran, averaged over the "
+                          "request: coarse, lagged and low for short requests, but per GPU), and the bytes "
+                          "RidgeFill's graphs moved between devices:",
+                          ["placement", "tokens", "arm", "per GPU: peak MiB / busy", "moved by RidgeFill"],
+                          [[p, n, arm, ", ".join(gpu(i, v) for i, v in g.items()), moved(x, arm)]
                            for p, n, arm, g, x in arms])
 
 

@@ -69,7 +69,10 @@ def hardware() -> dict:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30).stdout.strip()
         if gpu:
-            out["gpu"] = gpu
+            lines = gpu.splitlines()
+            # several GPUs: one line (markdown headers print it)
+            out["gpu"] = (f"{len(lines)} x {lines[0]}" if len(set(lines)) == 1 else "; ".join(lines)) \
+                if len(lines) > 1 else gpu
     except (OSError, subprocess.TimeoutExpired):
         pass
     return out

@@ -405,29 +405,36 @@ def test_the_memory_bench_reads_llama_cpps_breakdown_rows_and_compute_growth():
 def test_device_memory_reads_every_gpu_and_a_split_run_shows_each_gpus_peak_and_busy_share(tmp_path, monkeypatch):
     from ridgefill_gguf import bench
 
-    # a stand-in nvidia-smi for two GPUs: GPU 0 holds 1000 MiB and is idle, GPU 1 goes from 500 to 3000 MiB busy
+    # a stand-in nvidia-smi for two GPUs, one line each per cycle: GPU 0 holds 1000 MiB and reports no utilization,
+    # GPU 1 goes from 500 MiB idle to 3000 busy and back; asked for GPU 1 alone (-i 1), it prints that one only
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\nwhile true; do echo '0, 1000, 0'; echo '1, 500, 0'; sleep 0.02;"
-                    " echo '0, 1000, 0'; echo '1, 3000, 100'; sleep 0.02; done\n")
+    fake.write_text('#!/bin/sh\ncase "$*" in\n*"-i 1"*) while true; do echo "1, 2000, 10"; sleep 0.02; done ;;\n'
+                    '*) while true; do echo "0, 1000, [N/A]"; echo "1, 500, 0"; sleep 0.02;'
+                    ' echo "0, 1000, [N/A]"; echo "1, 3000, 100"; sleep 0.02; done ;;\nesac\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with bench.DeviceMemory(period_ms=20, fields=("utilization.gpu",)) as mem:
         _, total, per_gpu = bench.timed_on_devices(mem, lambda: time.sleep(0.3) or {})
-    # the peak counts what both held at once, not one GPU's
+    # the peak counts what both held in one cycle; a field nvidia-smi cannot give is None, the rest still read
     assert total == 4000
-    assert per_gpu[0] == {"peak_mib": 1000, "utilization.gpu": 0.0}
+    assert per_gpu[0] == {"peak_mib": 1000, "utilization.gpu": None}
     assert per_gpu[1]["peak_mib"] == 3000 and 20 < per_gpu[1]["utilization.gpu"] < 80
-    merged = bench.merge_devices([per_gpu, None, {0: {"peak_mib": 1200, "utilization.gpu": 50.0},
-                                                  1: {"peak_mib": 100, "utilization.gpu": 0.0}}])
-    assert merged["0"] == {"peak_mib": 1200, "utilization.gpu": 25.0} and merged["1"]["peak_mib"] == 3000
+    merged = bench.merge_devices([per_gpu, None, {0: {"peak_mib": 1200, "utilization.gpu": 50.0}}])
+    assert merged["0"] == {"peak_mib": 1200, "utilization.gpu": 50.0} and merged["1"] == per_gpu[1]
     row = {"placement": "resident", "tokens": 600, "gpus": {"exact": merged, "ridgefill": merged},
            "devices": {"late_devices": 2, "bytes_moved": 3 * 2**20, "devices": "sweep one: CUDA0 0-14; late layers: "
                        "CUDA0 15-23, CUDA1 24-29"}}
     table = "\n".join(bench.split_table({"rows": [row]}))
-    assert "| resident | 600 | exact | GPU 0: 1200 / 25%, GPU 1: 3000 / " in table
+    assert "| resident | 600 | exact | GPU 0: 1200 / 50%, GPU 1: 3000 / " in table
     assert "| 3.0 MiB over 2 late devices (sweep one: CUDA0 0-14; late layers: CUDA0 15-23, CUDA1 24-29) |" in table
     # one GPU: no table
     assert bench.split_table({"rows": [{**row, "gpus": {"exact": {"0": merged["0"]}}}]}) == []
+    # a run on some of the GPUs (CUDA_VISIBLE_DEVICES) watches those alone: nvidia-smi does not read that variable
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with bench.DeviceMemory(period_ms=20, fields=("utilization.gpu",)) as mem:
+        _, total, per_gpu = bench.timed_on_devices(mem, lambda: time.sleep(0.2) or {})
+    assert total == 2000 and per_gpu == {1: {"peak_mib": 2000, "utilization.gpu": 10.0}}
 
 
 def test_the_multi_gpu_script_runs_a_split_bench_and_a_one_gpu_bench_end_to_end(tmp_path):
@@ -441,8 +448,9 @@ def test_the_multi_gpu_script_runs_a_split_bench_and_a_one_gpu_bench_end_to_end(
     write_random_maps(model, 2, work / "tiny-f32.S2.maps.gguf")
     fake = bin_dir / "nvidia-smi"
     fake.write_text('#!/bin/sh\ncase "$*" in\n*-L*) echo "GPU 0: NVIDIA H100 80GB HBM3"; echo "GPU 1: NVIDIA H100 80GB '
-                    'HBM3" ;;\n*name*) echo "NVIDIA H100 80GB HBM3" ;;\n*) while true; do echo "0, 900, 50"; '
-                    'echo "1, 700, 40"; sleep 0.05; done ;;\nesac\n')
+                    'HBM3" ;;\n*name*) echo "NVIDIA H100 80GB HBM3" ;;\n*"-i 0"*) while true; do echo "0, 900, 50"; '
+                    'sleep 0.05; done ;;\n*) while true; do echo "0, 900, 50"; echo "1, 700, 40"; sleep 0.05; done ;;'
+                    '\nesac\n')
     fake.chmod(0o755)
     # the scripts call python3: this one, which has the project's packages
     path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
@@ -462,3 +470,7 @@ def test_the_multi_gpu_script_runs_a_split_bench_and_a_one_gpu_bench_end_to_end(
     assert split["rows"][0]["gpus"]["ridgefill"]["1"]["peak_mib"] == 700
     md = next((tmp_path / "bench").glob("*-split1k.md")).read_text()
     assert "| resident | 1024 | ridgefill | GPU 0: 900 / 50%, GPU 1: 700 / 40% |" in md, md
+    assert "| upstream | 1024 | upstream (the off server loaded too) | GPU 0: 900 / 50%" in md
+    # the run on the first GPU alone watched it alone
+    assert set(one["rows"][0]["gpus"]["ridgefill"]) == {"0"} and one["rows"][0]["peak_memory_mib"]["ridgefill"] == 900
+    assert "Each GPU" not in next((tmp_path / "bench").glob("*-one1k.md")).read_text()

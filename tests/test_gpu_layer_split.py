@@ -3,6 +3,7 @@ on a machine of several GPUs (tools/gpu/multi-gpu-runs.sh), tiny random models w
 splits over CUDA0 and CUDA1. Skipped where fewer than two GPUs are visible."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,8 +22,12 @@ KW = {"n_layer": N_LAYER, "prompt": PROMPT * 3, "probe_share": 0.25}
 
 def require_gpus(n: int) -> None:
     require_cuda_builds()
-    found = subprocess.run(["nvidia-smi", "-L"], text=True, capture_output=True).stdout.count("GPU ") \
-        if shutil.which("nvidia-smi") else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:  # nvidia-smi lists every GPU whatever CUDA may use
+        found = len(visible.split(","))
+    else:
+        found = subprocess.run(["nvidia-smi", "-L"], text=True, capture_output=True).stdout.count("GPU ") \
+            if shutil.which("nvidia-smi") else 0
     if found < n:
         pytest.skip(f"needs {n} CUDA GPUs; {found} visible")
 

@@ -5,10 +5,14 @@
 bench_run() {
     local name=$1; shift
     echo "$runner: $name ($*)"
-    # timeout signals the bench's whole process group, its servers included (and no other process's)
+    # timeout makes the bench a process group of its own and signals all of it at the limit; a llama-server takes
+    # that first signal as a request to finish its work, so what is left of the group is killed after it (the
+    # bench's servers, no other process's)
     env "$@" LABEL="$tag-$name" timeout --kill-after=10 "${LIMIT_S:-240}" bash "$repo/tools/gpu/bench-prefill-8b.sh" \
-        > "$out/bench/run-$name.log" 2>&1
-    local rc=$?
+        > "$out/bench/run-$name.log" 2>&1 &
+    local pid=$! rc
+    wait "$pid"; rc=$?
+    kill -KILL -- "-$pid" 2> /dev/null
     for log in "$out"/bench/server-*.log; do
         [ -f "$log" ] && mv "$log" "$out/bench/$name-$(basename "$log")"
     done

@@ -9,7 +9,8 @@
 # streamed, on llama.cpp's layer split over every visible GPU (TS=3,1 sets --tensor-split), and at 32K and 64K
 # upstream's server on the same split. oneNk: the same on the first GPU alone (CUDA_VISIBLE_DEVICES=0), without
 # upstream (two servers of the 27B at 128K would not fit one H100). Each row records each GPU's peak memory and busy
-# share (nvidia-smi) and the bytes RidgeFill's graphs moved between devices.
+# share (nvidia-smi) and the bytes RidgeFill's graphs moved between devices. PLACEMENTS=streamed: streamed maps alone
+# (resident ones of the 27B at 128K may not fit one H100).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 out="${OUT:-$repo/results}"
@@ -17,7 +18,7 @@ export PRESET=${PRESET:-qwen35-27b} DTYPE=${DTYPE:-q8_0} SPLIT=${SPLIT:-16} REPE
 gpus=$(nvidia-smi -L | grep -c "^GPU ")
 kind=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -oiE '[a-z][0-9]{2,3}' | head -1 | tr 'A-Z' 'a-z')
 tag="$PRESET-$DTYPE-shape-${gpus}x$kind"
-split_args="-sm layer${TS:+ --tensor-split $TS}"
+split_args="-sm layer${TS:+ --tensor-split $TS}" placements=${PLACEMENTS:-resident,streamed}
 
 runner=multi-gpu-runs
 source "$repo/tools/gpu/bench-run.sh"
@@ -36,9 +37,9 @@ for r in ${RUNS:-tests split32k one32k}; do
     [ "$r" = tests ] && { gpu_tests; continue; }
     k=${r//[!0-9]/}  # the prompt's length in K tokens, from the run's name
     case "$r" in
-        split[0-9]*k) bench_run "$r" TOKENS=$((k * 1024)) PLACEMENTS=resident,streamed SERVER_ARGS="$split_args" \
+        split[0-9]*k) bench_run "$r" TOKENS=$((k * 1024)) PLACEMENTS=$placements SERVER_ARGS="$split_args" \
                           VS_UPSTREAM=$([ "$k" -le 64 ] && echo 1 || echo 0) ;;
-        one[0-9]*k)   bench_run "$r" TOKENS=$((k * 1024)) PLACEMENTS=resident,streamed CUDA_VISIBLE_DEVICES=0 ;;
+        one[0-9]*k)   bench_run "$r" TOKENS=$((k * 1024)) PLACEMENTS=$placements CUDA_VISIBLE_DEVICES=0 ;;
         *)            echo "multi-gpu-runs: unknown run '$r'" >&2 ;;
     esac
 done
