@@ -242,21 +242,22 @@ class DeviceMemory:
 
     def peak(self, t0: float, t1: float) -> int | None:
         """The most memory in use at once on the GPUs together in [t0, t1] (MiB)."""
-        totals = [sum(v[0] for v in g.values() if v[0] is not None) for g in self._window(t0, t1)]
-        return int(max(totals)) if totals else None
+        return self.stats(t0, t1)[0]
 
-    def per_device(self, t0: float, t1: float) -> dict[int, dict[str, float | None]] | None:
-        """Each GPU's peak memory (peak_mib) and the other fields' means over [t0, t1]."""
+    def stats(self, t0: float, t1: float) -> tuple[int | None, dict[int, dict[str, float | None]] | None]:
+        """From one window: the peak of the GPUs together, and each GPU's peak memory (peak_mib) and the other
+        fields' means over [t0, t1]."""
         window = self._window(t0, t1)
         if not window:
-            return None
-        out = {}
+            return None, None
+        total = int(max(sum(v[0] for v in g.values() if v[0] is not None) for g in window))
+        devices = {}
         for i in sorted({i for g in window for i in g}):
             seen = [g[i] for g in window if i in g]
             used = [v[0] for v in seen if v[0] is not None]
-            out[i] = {"peak_mib": int(max(used)) if used else None,
-                      **{f: _mean(v[k] for v in seen) for k, f in enumerate(self.fields) if k}}
-        return out
+            devices[i] = {"peak_mib": int(max(used)) if used else None,
+                          **{f: _mean(v[k] for v in seen) for k, f in enumerate(self.fields) if k}}
+        return total, devices
 
     def means(self, t0: float, t1: float) -> dict[str, float | None] | None:
         """Each field's mean over [t0, t1] on the first GPU."""
@@ -275,17 +276,15 @@ class DeviceMemory:
 
 def timed(mem: DeviceMemory, request: Callable[[], dict]) -> tuple[dict, int | None]:
     """A request's response and the peak device memory while it ran."""
-    t0 = time.monotonic()
-    response = request()
-    return response, mem.peak(t0, time.monotonic())
+    response, peak, _ = timed_on_devices(mem, request)
+    return response, peak
 
 
 def timed_on_devices(mem: DeviceMemory, request: Callable[[], dict]) -> tuple[dict, int | None, dict | None]:
     """A request's response, the peak memory of all GPUs together while it ran, and each GPU's peak and means."""
     t0 = time.monotonic()
     response = request()
-    t1 = time.monotonic()
-    return response, mem.peak(t0, t1), mem.per_device(t0, t1)
+    return (response, *mem.stats(t0, time.monotonic()))
 
 
 def merge_devices(runs: list[dict | None]) -> dict[str, dict] | None:
